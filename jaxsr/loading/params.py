@@ -1,0 +1,47 @@
+"""Build a module's parameter state from converted arrays, placing each on its mesh shards directly."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxsr.loading.safetensors import CheckpointError
+from jaxsr.sharding import param_sharding
+
+
+def place_params(
+    make_module, arrays: Mapping[tuple[str, ...], np.ndarray], dtype, mesh: Mesh | None
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """Fill the (abstract, never initialised) state of `make_module()` from `arrays`.
+
+    Floating arrays are cast to `dtype` on the host; with a mesh each array goes straight to its
+    shards (`device_put` with a `NamedSharding`), so no device ever holds a full replica first.
+    """
+    graph, abstract = nnx.split(nnx.eval_shape(make_module))
+    flat = nnx.to_flat_state(abstract)
+    expected = {path for path, _ in flat}
+    for path in arrays:
+        if path not in expected:
+            raise CheckpointError(f"converted parameter {'/'.join(path)} has no place in the module")
+    leaves = []
+    for path, variable in flat:
+        if path not in arrays:
+            raise CheckpointError(f"missing parameter {'/'.join(path)}")
+        value = np.asarray(arrays[path])
+        if value.shape != variable.shape:
+            raise CheckpointError(
+                f"parameter {'/'.join(path)}: checkpoint shape {value.shape} != expected {variable.shape}"
+            )
+        if value.dtype.kind == 'f' or value.dtype == jnp.bfloat16:
+            value = value.astype(jnp.dtype(dtype))
+        if mesh is None:
+            array = jax.device_put(value)
+        else:
+            array = jax.device_put(value, param_sharding([str(p) for p in path], value.shape, mesh))
+        leaves.append((path, variable.replace(array)))
+    return graph, nnx.from_flat_state(leaves)

@@ -1,0 +1,110 @@
+"""Read safetensors files (single or sharded) as memory-mapped numpy arrays.
+
+The format is read directly (8-byte header size, JSON header, raw little-endian data) so that bfloat16
+tensors map to `ml_dtypes.bfloat16` without torch or a copy, and so that a truncated or corrupt file is
+reported with its name before any tensor is used.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not match the model it claims to be."""
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of one file, memory-mapped (nothing is read until used)."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise CheckpointError(f"{path}: truncated or not a safetensors file (header too long)")
+            header = json.loads(f.read(header_len))
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    data_len = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if data_start + data_len > size:
+        raise CheckpointError(
+            f"{path}: truncated: header promises {data_start + data_len} bytes, file has {size}"
+        )
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_len,)) if data_len else None
+    tensors = {}
+    for name, info in header.items():
+        if info["dtype"] not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        dtype = np.dtype(DTYPES[info["dtype"]])
+        shape = tuple(info["shape"])
+        if end - start != dtype.itemsize * int(np.prod(shape)):
+            raise CheckpointError(f"{path}: tensor {name!r} byte range does not match its shape")
+        tensors[name] = mapped[start:end].view(dtype).reshape(shape) if end > start else np.zeros(shape, dtype)
+    return tensors
+
+
+class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
+    """A directory's tensors by name, from `model.safetensors` or a sharded index."""
+
+    def __init__(self, directory: Path):
+        directory = Path(directory)
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+            weight_map = {}
+        if not files:
+            pickled = sorted(p.name for p in directory.glob("*.bin")) + sorted(
+                p.name for p in directory.glob("*.pt*")
+            )
+            hint = (
+                f" Found pickle-based {pickled}; jaxsr never unpickles checkpoints. Convert once with "
+                "`transformers`: AutoModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)."
+                if pickled
+                else ""
+            )
+            raise CheckpointError(f"{directory}: no *.safetensors weights found.{hint}")
+        self._tensors: dict[str, np.ndarray] = {}
+        for name in files:
+            path = directory / name
+            if not path.exists():
+                raise CheckpointError(f"{path}: shard listed in model.safetensors.index.json is missing")
+            self._tensors.update(read_safetensors(path))
+        missing = set(weight_map) - set(self._tensors)
+        if missing:
+            raise CheckpointError(
+                f"{directory}: tensor {sorted(missing)[0]!r} is listed in the index but not in its shard"
+            )
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)

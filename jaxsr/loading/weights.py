@@ -1,0 +1,150 @@
+"""Map Hugging Face tensor names onto the decoder's stacked parameters.
+
+Each rule names the HF tensor(s) it reads, the parameter path it fills, and how to reshape an HF
+`Linear` weight ([out, in]) or GPT-2 `Conv1D` weight ([in, out]) into the module's layout. Every
+checkpoint tensor must be used and every parameter filled; otherwise the error names the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from jaxsr.loading.safetensors import CheckpointError
+from jaxsr.models.config import DecoderConfig
+
+Transform = Callable[[np.ndarray], np.ndarray]
+Path = tuple[str, ...]
+
+# Buffers some checkpoints carry that are not parameters.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    hf_name: str
+    """Name with `{i}` standing for the layer index when `per_layer`."""
+    path: Path
+    transform: Transform
+    per_layer: bool = True
+
+
+def _identity(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def _linear(*shape: int) -> Transform:
+    return lambda w: w.T.reshape(shape)
+
+
+def _columns(part: int, parts: int, *shape: int) -> Transform:
+    """Slice `part` of `parts` equal blocks along the last axis (GPT-2's fused c_attn)."""
+
+    def take(w: np.ndarray) -> np.ndarray:
+        n = w.shape[-1] // parts
+        return w[..., part * n : (part + 1) * n].reshape(shape)
+
+    return take
+
+
+def llama_rules(cfg: DecoderConfig) -> list[Rule]:
+    d, H, K, D, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    a, m = "layers.{i}.self_attn.", "layers.{i}.mlp."
+    rules = [
+        Rule("embed_tokens.weight", ("embed",), _identity, per_layer=False),
+        Rule("norm.weight", ("final_norm", "scale"), _identity, per_layer=False),
+        Rule("layers.{i}.input_layernorm.weight", ("blocks", "attn_norm", "scale"), _identity),
+        Rule("layers.{i}.post_attention_layernorm.weight", ("blocks", "mlp_norm", "scale"), _identity),
+        Rule(a + "q_proj.weight", ("blocks", "attn", "q"), _linear(d, H, D)),
+        Rule(a + "k_proj.weight", ("blocks", "attn", "k"), _linear(d, K, D)),
+        Rule(a + "v_proj.weight", ("blocks", "attn", "v"), _linear(d, K, D)),
+        Rule(a + "o_proj.weight", ("blocks", "attn", "o"), _linear(H, D, d)),
+        Rule(m + "gate_proj.weight", ("blocks", "mlp", "gate"), _linear(d, F)),
+        Rule(m + "up_proj.weight", ("blocks", "mlp", "up"), _linear(d, F)),
+        Rule(m + "down_proj.weight", ("blocks", "mlp", "down"), _linear(F, d)),
+    ]
+    if cfg.qkv_bias:
+        rules += [
+            Rule(a + "q_proj.bias", ("blocks", "attn", "q_bias"), _linear(H, D)),
+            Rule(a + "k_proj.bias", ("blocks", "attn", "k_bias"), _linear(K, D)),
+            Rule(a + "v_proj.bias", ("blocks", "attn", "v_bias"), _linear(K, D)),
+        ]
+    if cfg.out_bias:
+        rules.append(Rule(a + "o_proj.bias", ("blocks", "attn", "o_bias"), _identity))
+    if cfg.mlp_bias:
+        rules += [
+            Rule(m + "gate_proj.bias", ("blocks", "mlp", "gate_bias"), _identity),
+            Rule(m + "up_proj.bias", ("blocks", "mlp", "up_bias"), _identity),
+            Rule(m + "down_proj.bias", ("blocks", "mlp", "down_bias"), _identity),
+        ]
+    if cfg.qk_norm:
+        rules += [
+            Rule(a + "q_norm.weight", ("blocks", "attn", "q_norm", "scale"), _identity),
+            Rule(a + "k_norm.weight", ("blocks", "attn", "k_norm", "scale"), _identity),
+        ]
+    return rules
+
+
+def gpt2_rules(cfg: DecoderConfig) -> list[Rule]:
+    d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    h = "h.{i}."
+    rules = [
+        Rule("wte.weight", ("embed",), _identity, per_layer=False),
+        Rule("wpe.weight", ("pos_embed",), _identity, per_layer=False),
+        Rule("ln_f.weight", ("final_norm", "scale"), _identity, per_layer=False),
+        Rule("ln_f.bias", ("final_norm", "bias"), _identity, per_layer=False),
+        Rule(h + "ln_1.weight", ("blocks", "attn_norm", "scale"), _identity),
+        Rule(h + "ln_1.bias", ("blocks", "attn_norm", "bias"), _identity),
+        Rule(h + "ln_2.weight", ("blocks", "mlp_norm", "scale"), _identity),
+        Rule(h + "ln_2.bias", ("blocks", "mlp_norm", "bias"), _identity),
+        Rule(h + "attn.c_proj.weight", ("blocks", "attn", "o"), lambda w: w.reshape(H, D, d)),
+        Rule(h + "attn.c_proj.bias", ("blocks", "attn", "o_bias"), _identity),
+        Rule(h + "mlp.c_fc.weight", ("blocks", "mlp", "up"), _identity),
+        Rule(h + "mlp.c_fc.bias", ("blocks", "mlp", "up_bias"), _identity),
+        Rule(h + "mlp.c_proj.weight", ("blocks", "mlp", "down"), _identity),
+        Rule(h + "mlp.c_proj.bias", ("blocks", "mlp", "down_bias"), _identity),
+    ]
+    for part, name in enumerate("qkv"):
+        rules.append(Rule(h + "attn.c_attn.weight", ("blocks", "attn", name), _columns(part, 3, d, H, D)))
+        rules.append(Rule(h + "attn.c_attn.bias", ("blocks", "attn", f"{name}_bias"), _columns(part, 3, H, D)))
+    return rules
+
+
+def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) -> dict[Path, np.ndarray]:
+    """HF-named tensors → {parameter path: array}, checking that every name is accounted for."""
+    gpt2 = cfg.model_type == "gpt2"
+    rules = gpt2_rules(cfg) if gpt2 else llama_rules(cfg)
+    anchor = rules[0].hf_name
+    prefix = next((p for p in ("model.", "transformer.", "") if p + anchor in tensors), None)
+    if prefix is None:
+        raise CheckpointError(f"missing tensor {anchor!r} (the token embedding)")
+    if cfg.is_reward_model:
+        rules.append(Rule("score.weight", ("score",), np.transpose, per_layer=False))
+    elif not cfg.tie_word_embeddings:
+        rules.append(Rule("lm_head.weight", ("lm_head",), np.transpose, per_layer=False))
+
+    used: set[str] = set()
+
+    def fetch(name: str) -> np.ndarray:
+        full = name if name.startswith(("lm_head.", "score.")) else prefix + name
+        if full not in tensors:
+            raise CheckpointError(f"missing tensor {full!r}")
+        used.add(full)
+        return tensors[full]
+
+    params: dict[Path, np.ndarray] = {}
+    for rule in rules:
+        if rule.per_layer:
+            layers = [rule.transform(fetch(rule.hf_name.format(i=i))) for i in range(cfg.num_layers)]
+            params[rule.path] = np.stack(layers)
+        else:
+            params[rule.path] = rule.transform(fetch(rule.hf_name))
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unexpected = [
+        n for n in tensors if n not in used and n not in ignorable and not n.endswith(IGNORED_SUFFIXES)
+    ]
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {sorted(unexpected)[0]!r} (not part of {cfg.model_type})")
+    return params

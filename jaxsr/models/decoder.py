@@ -1,0 +1,193 @@
+"""The decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, GPT-2) as a Flax NNX module.
+
+Layer parameters are stacked on a leading [layers] axis and the layers run under `lax.scan`, so a
+30-layer model compiles one layer body. Two entry points cover every use:
+
+- `prefill(tokens, mask)`: left-padded prompts, causal attention; returns final hidden states and a
+  `PromptCache` (a plain forward pass is a prefill whose cache is dropped).
+- `decode(tokens, positions, prompt_cache, rows)`: T new tokens per row; each row attends to its prompt's
+  shared cache and to its own `RowCache`, into which the new keys/values are written at `rows.length`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsr.models.attention import Segment, attend
+from jaxsr.models.cache import PromptCache, RowCache
+from jaxsr.models.config import DecoderConfig
+from jaxsr.models.layers import ACTIVATIONS, Norm, apply_rope, param, rope_inverse_frequencies
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, *, stack: tuple[int, ...], dtype, rngs: nnx.Rngs):
+        d, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q = param(rngs, (*stack, d, H, D), dtype)
+        self.k = param(rngs, (*stack, d, K, D), dtype)
+        self.v = param(rngs, (*stack, d, K, D), dtype)
+        self.o = param(rngs, (*stack, H, D, d), dtype)
+        bias = cfg.qkv_bias
+        self.q_bias = param(rngs, (*stack, H, D), dtype) if bias else None
+        self.k_bias = param(rngs, (*stack, K, D), dtype) if bias else None
+        self.v_bias = param(rngs, (*stack, K, D), dtype) if bias else None
+        self.o_bias = param(rngs, (*stack, d), dtype) if cfg.out_bias else None
+        norm = dict(kind="rms", eps=cfg.norm_eps, dtype=dtype)
+        self.q_norm = Norm((*stack, D), **norm) if cfg.qk_norm else None
+        self.k_norm = Norm((*stack, D), **norm) if cfg.qk_norm else None
+
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
+        k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
+        v = jnp.einsum("btd,dhk->bthk", x, self.v[...])
+        if self.q_bias is not None:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def output(self, attn: jax.Array) -> jax.Array:
+        out = jnp.einsum("bthk,hkd->btd", attn, self.o[...])
+        return out + self.o_bias[...] if self.o_bias is not None else out
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, *, stack: tuple[int, ...], dtype, rngs: nnx.Rngs):
+        d, F = cfg.hidden_size, cfg.intermediate_size
+        self.activation = cfg.activation
+        self.gate = param(rngs, (*stack, d, F), dtype) if cfg.mlp == "gated" else None
+        self.up = param(rngs, (*stack, d, F), dtype)
+        self.down = param(rngs, (*stack, F, d), dtype)
+        self.up_bias = param(rngs, (*stack, F), dtype) if cfg.mlp_bias else None
+        self.gate_bias = param(rngs, (*stack, F), dtype) if cfg.mlp_bias and self.gate else None
+        self.down_bias = param(rngs, (*stack, d), dtype) if cfg.mlp_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        act = ACTIVATIONS[self.activation]
+        up = x @ self.up[...]
+        if self.up_bias is not None:
+            up = up + self.up_bias[...]
+        if self.gate is not None:
+            gate = x @ self.gate[...]
+            if self.gate_bias is not None:
+                gate = gate + self.gate_bias[...]
+            h = act(gate) * up
+        else:
+            h = act(up)
+        out = h @ self.down[...]
+        return out + self.down_bias[...] if self.down_bias is not None else out
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer layer; built with `stack=(layers,)` it holds all layers' weights."""
+
+    def __init__(self, cfg: DecoderConfig, *, stack: tuple[int, ...] = (), dtype, rngs: nnx.Rngs):
+        norm = dict(kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
+        self.attn_norm = Norm((*stack, cfg.hidden_size), **norm)
+        self.attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        self.mlp_norm = Norm((*stack, cfg.hidden_size), **norm)
+        self.mlp = MLP(cfg, stack=stack, dtype=dtype, rngs=rngs)
+
+
+class Decoder(nnx.Module):
+    def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        cfg = self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        learned = cfg.position == "learned"
+        self.pos_embed = (
+            param(rngs, (cfg.max_position_embeddings, cfg.hidden_size), dtype) if learned else None
+        )
+        self.blocks = Block(cfg, stack=(cfg.num_layers,), dtype=dtype, rngs=rngs)
+        self.final_norm = Norm((cfg.hidden_size,), kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
+        has_head = not cfg.tie_word_embeddings and not cfg.is_reward_model
+        self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype) if has_head else None
+        self.score = param(rngs, (cfg.hidden_size, cfg.num_labels), dtype) if cfg.num_labels else None
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.pos_embed is not None:
+            x = x + jnp.take(self.pos_embed[...], positions, axis=0)
+        return x
+
+    def _qkv(self, block: Block, x: jax.Array, positions: jax.Array):
+        q, k, v = block.attn.project(block.attn_norm(x))
+        if self.config.position == "rope":
+            cfg = self.config
+            inv = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
+        return q, k, v
+
+    def _finish_block(self, block: Block, x: jax.Array, attn: jax.Array) -> jax.Array:
+        x = x + block.attn.output(attn)
+        return x + block.mlp(block.mlp_norm(x))
+
+    @property
+    def _scale(self) -> float:
+        return self.config.head_dim**-0.5
+
+    # -- entry points -------------------------------------------------------------------------
+    def prefill(self, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, PromptCache]:
+        """tokens, mask: [P, S] (left-padded). Returns final hidden [P, S, d] and the prompt cache."""
+        mask = mask.astype(bool)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+        S = tokens.shape[1]
+        visible = mask[:, None, :] & jnp.tril(jnp.ones((S, S), bool))[None]
+        graph, stacked = nnx.split(self.blocks)
+
+        def layer(x, layer_state):
+            block = nnx.merge(graph, layer_state)
+            q, k, v = self._qkv(block, x, positions)
+            attn = attend(q, [Segment(k, v, visible, shared=False)], self._scale)
+            return self._finish_block(block, x, attn), (k, v)
+
+        x, (k, v) = jax.lax.scan(layer, self._embed(tokens, positions), stacked)
+        cache = PromptCache(k=k, v=v, mask=mask, length=mask.sum(-1).astype(jnp.int32))
+        return self.final_norm(x), cache
+
+    def decode(
+        self, tokens: jax.Array, positions: jax.Array, prompt: PromptCache, rows: RowCache
+    ) -> tuple[jax.Array, RowCache]:
+        """tokens, positions: [B, T]; B is a multiple of the prompt count (rows grouped by prompt).
+
+        New keys go to slots rows.length + [0, T); the returned cache keeps `length` unchanged — the
+        caller advances it by what it accepts (all T for plain sampling, fewer after a rejection).
+        """
+        B, T = tokens.shape
+        slots = rows.length[:, None] + jnp.arange(T)[None, :]
+        capacity = rows.capacity
+        visible = jnp.arange(capacity)[None, None, :] <= slots[:, :, None]
+        batch_index = jnp.arange(B)[:, None]
+        graph, stacked = nnx.split(self.blocks)
+
+        def layer(carry, xs):
+            x, cache_k, cache_v = carry
+            layer_state, prompt_k, prompt_v, index = xs
+            block = nnx.merge(graph, layer_state)
+            q, k, v = self._qkv(block, x, positions)
+            cache_k = cache_k.at[index, batch_index, slots].set(k, mode="drop")
+            cache_v = cache_v.at[index, batch_index, slots].set(v, mode="drop")
+            segments = [
+                Segment(prompt_k, prompt_v, prompt.mask, shared=True),
+                Segment(cache_k[index], cache_v[index], visible, shared=False),
+            ]
+            attn = attend(q, segments, self._scale)
+            return (self._finish_block(block, x, attn), cache_k, cache_v), None
+
+        xs = (stacked, prompt.k, prompt.v, jnp.arange(self.config.num_layers))
+        carry = (self._embed(tokens, positions), rows.k, rows.v)
+        (x, k, v), _ = jax.lax.scan(layer, carry, xs)
+        return self.final_norm(x), RowCache(k=k, v=v, length=rows.length)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Language-model logits in float32."""
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+
+    def scores(self, hidden: jax.Array, mask: jax.Array) -> jax.Array:
+        """Reward-head outputs [B, num_labels] (float32) at each row's last non-pad token."""
+        last = mask.shape[1] - 1 - jnp.argmax(mask[:, ::-1].astype(bool), axis=1)
+        h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+        return jnp.einsum("bd,dn->bn", h, self.score[...], preferred_element_type=jnp.float32)

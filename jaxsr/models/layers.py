@@ -1,0 +1,75 @@
+"""Building blocks shared by the decoder and the encoder: norms, activations, rotary embeddings."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsr.models.config import RopeScaling
+
+MASKED = -1e30  # finite, so a query with no visible key gives uniform weights instead of NaN
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02) -> nnx.Param:
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
+
+
+class Norm(nnx.Module):
+    """RMSNorm (Llama family) or LayerNorm (GPT-2, BERT), computed in float32."""
+
+    def __init__(self, shape: tuple[int, ...], *, kind: str, eps: float, dtype: jnp.dtype):
+        self.kind = kind
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones(shape, dtype))
+        self.bias = nnx.Param(jnp.zeros(shape, dtype)) if kind == "layer" else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        if self.kind == "layer":
+            h = h - h.mean(-1, keepdims=True)
+        h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + self.eps)
+        h = h.astype(x.dtype) * self.scale[...]
+        if self.bias is not None:
+            h = h + self.bias[...]
+        return h
+
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies of rotate-half RoPE, with Llama 3's scaling when given."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv.astype(np.float32)
+    old = scaling.original_max_position_embeddings
+    low_wavelen = old / scaling.low_freq_factor
+    high_wavelen = old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate [B, T, heads, head_dim] by the angle of each token's position (rotate-half layout)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
