@@ -1,0 +1,168 @@
+"""`jaxsr.generate`: batched sampling of several responses per prompt."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsr.decoding.prompts import bucket, check_context, check_positive_int, encode_prompts, left_pad
+from jaxsr.decoding.sampler import decode_loop, init_state, prefill
+from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.models.model import Model
+from jaxsr.results import Result, Sample
+
+DEFAULT_MAX_ROWS = 64
+
+
+@dataclasses.dataclass
+class RawSample:
+    prompt_index: int
+    sample_index: int
+    tokens: list[int]
+    """Generated tokens without the stop token."""
+    finished: bool
+    logprob: float
+
+
+def check_sampling(sampling: Any) -> SamplingConfig:
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling: expected a jaxsr.SamplingConfig, got {type(sampling).__name__}")
+    return sampling
+
+
+def check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**32:
+        raise TypeError(f"seed: expected an int in [0, 2**32), got {seed!r}")
+    return int(seed)
+
+
+def stop_id_matrix(model: Model, rows: int, extra: Sequence[int]) -> np.ndarray:
+    ids = list(dict.fromkeys([*model.eos_token_ids, *extra]))
+    width = bucket(len(ids), 1) if ids else 1
+    matrix = np.full((rows, width), -1, np.int32)
+    matrix[:, : len(ids)] = ids
+    return matrix
+
+
+def sample_many(
+    model: Model,
+    prompts: list[list[int]],
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    seed: int,
+    stop_token_ids: Sequence[int] = (),
+    max_rows: int = DEFAULT_MAX_ROWS,
+    prompt_offset: int = 0,
+) -> tuple[list[list[RawSample]], list[dict[str, Any]]]:
+    """Sample `num_samples` continuations of each prompt; each prompt is prefilled exactly once.
+
+    Returns per prompt its samples (by sample index) and stats (work of a batch is shared evenly
+    among the real prompts in it)."""
+    G = min(num_samples, max_rows)
+    per_batch = 1 << (max(1, max_rows // G).bit_length() - 1)
+    capacity = bucket(max_new_tokens)
+    samples: list[list[RawSample]] = [[] for _ in prompts]
+    stats: list[dict[str, Any]] = [{} for _ in prompts]
+    for start in range(0, len(prompts), per_batch):
+        chunk = prompts[start : start + per_batch]
+        P = min(bucket(len(chunk), 1), per_batch)
+        S = bucket(max(len(p) for p in chunk))
+        t0 = time.perf_counter()
+        tokens, mask = left_pad(chunk, P, S)
+        last_logits, prompt_cache = prefill(model.graph, model.params, jnp.asarray(tokens), jnp.asarray(mask))
+        jax.block_until_ready(last_logits)
+        prefill_s = time.perf_counter() - t0
+        forwards = P * S
+        decode_s = 0.0
+        for first in range(0, num_samples, G):
+            t1 = time.perf_counter()
+            sample_ids = np.tile(first + np.arange(G), P)
+            real_prompt = np.repeat(np.arange(P) < len(chunk), G)
+            state = init_state(
+                last_logits,
+                prompt_cache,
+                samples_per_prompt=G,
+                capacity=capacity,
+                sampling=sampling,
+                seed=np.uint32(seed),
+                prompt_ids=jnp.arange(P, dtype=jnp.int32) + prompt_offset + start,
+                sample_ids=jnp.asarray(sample_ids, jnp.int32),
+                alive=jnp.asarray(real_prompt & (sample_ids < num_samples)),
+                max_new_tokens=jnp.full((P * G,), max_new_tokens, jnp.int32),
+                stop_ids=jnp.asarray(stop_id_matrix(model, P * G, stop_token_ids)),
+            )
+            state = decode_loop(model.graph, model.params, state, prompt_cache, sampling=sampling)
+            out = jax.device_get(
+                (state.tokens, state.num_generated, state.finished, state.alive, state.logprob_sum, state.steps)
+            )
+            decode_s += time.perf_counter() - t1
+            buf, num, finished, alive, logprob, steps = out
+            forwards += int(steps) * P * G
+            for row in np.flatnonzero(alive):
+                p, s = divmod(int(row), G)
+                n = int(num[row]) - bool(finished[row])
+                samples[start + p].append(
+                    RawSample(p + start, first + s, buf[row, :n].tolist(), bool(finished[row]), float(logprob[row]))
+                )
+        for p in range(len(chunk)):
+            stats[start + p] = {
+                "prefill_s": prefill_s / len(chunk),
+                "decode_s": decode_s / len(chunk),
+                "token_forwards": {"generator": forwards // len(chunk)},
+            }
+    for rows in samples:
+        rows.sort(key=lambda r: r.sample_index)
+    return samples, stats
+
+
+def to_sample(model: Model, raw: RawSample, score: float | None = None) -> Sample:
+    text = model.tokenizer.decode(raw.tokens, skip_special_tokens=True) if model.tokenizer else ""
+    return Sample(token_ids=raw.tokens, text=text, score=score, finished=raw.finished, logprob=raw.logprob)
+
+
+def generate(
+    model: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    num_samples: int = 1,
+    seed: int = 0,
+    chat: bool | None = None,
+    stop_token_ids: Sequence[int] = (),
+    max_rows: int = DEFAULT_MAX_ROWS,
+) -> list[Result]:
+    """Sample `num_samples` responses to each prompt (one `Result` per prompt, in order)."""
+    if not isinstance(model, Model):
+        raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
+    sampling = check_sampling(sampling)
+    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+    num_samples = check_positive_int("num_samples", num_samples)
+    max_rows = check_positive_int("max_rows", max_rows)
+    seed = check_seed(seed)
+    encoded = encode_prompts(model, prompts, chat=chat)
+    check_context(model, encoded, max_new_tokens)
+    t0 = time.perf_counter()
+    samples, stats = sample_many(
+        model,
+        encoded,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+        max_rows=max_rows,
+    )
+    wall = (time.perf_counter() - t0) / len(encoded)
+    return [
+        Result(prompt=prompt, samples=[to_sample(model, r) for r in rows], stats={"wall_s": wall, **st})
+        for prompt, rows, st in zip(prompts, samples, stats, strict=True)
+    ]

@@ -1,0 +1,68 @@
+"""Sampling configuration and the float32 logits processors (temperature → top-k → top-p)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxsr.models.layers import MASKED
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is drawn. `temperature=0` is greedy; `top_k=0` and `top_p=1.0` disable
+    those filters (Hugging Face's convention). Hashable, so jitted code treats it as static."""
+
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
+            raise TypeError(f"temperature: expected a number, got {type(self.temperature).__name__}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise TypeError(f"top_k: expected an int, got {type(self.top_k).__name__}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: expected >= 0 (0 disables it), got {self.top_k}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
+            raise TypeError(f"top_p: expected a number, got {type(self.top_p).__name__}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def process_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:
+    """Filtered, tempered float32 logits [..., V]; removed tokens get a large negative value.
+
+    Greedy configs return the raw logits (argmax is taken by `sample`)."""
+    logits = logits.astype(jnp.float32)
+    if config.greedy:
+        return logits
+    if config.temperature != 1.0:
+        logits = logits / config.temperature
+    if 0 < config.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, config.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, MASKED, logits)
+    if config.top_p < 1.0:
+        sorted_logits = -jnp.sort(-logits, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        above = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+        kept = jnp.maximum((above < config.top_p).sum(-1, keepdims=True), 1)
+        threshold = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)
+        logits = jnp.where(logits < threshold, MASKED, logits)
+    return logits
+
+
+def sample(key: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:
+    """One token per row from processed logits [V] (vmap over rows for per-row keys)."""
+    if config.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
