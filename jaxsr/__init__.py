@@ -4,16 +4,24 @@ contrastive decoding)."""
 from jaxsr.decoding.generate import generate
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.loading.api import load_model, load_reward_model
+from jaxsr.loading.encoder import load_encoder
+from jaxsr.models.encoder import EncoderModel
 from jaxsr.models.model import Model, RewardModel
 from jaxsr.results import Result, Sample
+from jaxsr.search.best_of_n import best_of_n
+from jaxsr.search.speculative_rejection import speculative_rejection
 
 __all__ = [
+    "EncoderModel",
     "Model",
     "Result",
     "RewardModel",
     "Sample",
     "SamplingConfig",
+    "best_of_n",
     "generate",
+    "load_encoder",
     "load_model",
     "load_reward_model",
+    "speculative_rejection",
 ]

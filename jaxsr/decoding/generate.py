@@ -139,8 +139,12 @@ def generate(
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
     max_rows: int = DEFAULT_MAX_ROWS,
+    prompt_offset: int = 0,
 ) -> list[Result]:
-    """Sample `num_samples` responses to each prompt (one `Result` per prompt, in order)."""
+    """Sample `num_samples` responses to each prompt (one `Result` per prompt, in order).
+
+    `max_rows` bounds the rows decoded together; `prompt_offset` is the index of `prompts[0]` in a
+    larger job, so split or resumed jobs draw the same random streams as one whole call."""
     if not isinstance(model, Model):
         raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
     sampling = check_sampling(sampling)
@@ -160,6 +164,7 @@ def generate(
         seed=seed,
         stop_token_ids=stop_token_ids,
         max_rows=max_rows,
+        prompt_offset=prompt_offset,
     )
     wall = (time.perf_counter() - t0) / len(encoded)
     return [

@@ -55,6 +55,18 @@ class DecodeState:
     """[] int32 decode forward passes run on this state."""
 
 
+@partial(jax.jit, static_argnames=("cache_capacity",))
+def compact(state: DecodeState, index: jax.Array, alive: jax.Array, *, cache_capacity: int) -> DecodeState:
+    """Gather rows `index` into a (smaller) batch whose row cache has `cache_capacity` slots.
+
+    Survivors keep their tokens, cache entries and random streams; `alive=False` marks padding rows."""
+    per_row = ("tokens", "num_generated", "finished", "done", "logprob_sum", "prompt_id", "sample_id",
+               "max_new_tokens", "stop_ids")
+    gathered = {name: getattr(state, name)[index] for name in per_row}
+    gathered["done"] = gathered["done"] | ~alive
+    return state.replace(**gathered, alive=alive, rows=state.rows.take(index, cache_capacity))
+
+
 def row_keys(seed: jax.Array, prompt_id: jax.Array, sample_id: jax.Array, index: jax.Array) -> jax.Array:
     """Per-row PRNG keys that depend only on (seed, prompt, sample, token index)."""
 
@@ -103,7 +115,7 @@ def prefill(graph: nnx.GraphDef, params: nnx.State, tokens: jax.Array, mask: jax
     return module.logits(hidden[:, -1]), cache
 
 
-@partial(jax.jit, static_argnames=("samples_per_prompt", "capacity", "sampling"))
+@partial(jax.jit, static_argnames=("samples_per_prompt", "capacity", "cache_capacity", "sampling"))
 def init_state(
     last_logits: jax.Array,
     prompt: PromptCache,
@@ -111,6 +123,7 @@ def init_state(
     samples_per_prompt: int,
     capacity: int,
     sampling: SamplingConfig,
+    cache_capacity: int | None = None,
     seed: jax.Array,
     prompt_ids: jax.Array,
     sample_ids: jax.Array,
@@ -121,15 +134,17 @@ def init_state(
     """Rows for `samples_per_prompt` samples of each prompt, with their first token sampled.
 
     `prompt_ids` is [P]; `sample_ids`, `alive`, `max_new_tokens` are [B = P·G]; `stop_ids` is [B, S].
-    `capacity` is the token buffer / row-cache length (≥ the largest budget).
+    `capacity` is the token-buffer length (≥ the largest budget); `cache_capacity` the row-cache
+    slots (default `capacity`; a row needs one slot per generated token after the first).
     """
+    cache_capacity = capacity if cache_capacity is None else cache_capacity
     G = samples_per_prompt
     P = last_logits.shape[0]
     B = P * G
     L, _, _, K, D = prompt.k.shape
     rows = RowCache(
-        k=jnp.zeros((L, B, capacity, K, D), prompt.k.dtype),
-        v=jnp.zeros((L, B, capacity, K, D), prompt.v.dtype),
+        k=jnp.zeros((L, B, cache_capacity, K, D), prompt.k.dtype),
+        v=jnp.zeros((L, B, cache_capacity, K, D), prompt.v.dtype),
         length=jnp.zeros((B,), jnp.int32),
     )
     state = DecodeState(

@@ -44,6 +44,18 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             header = json.loads(f.read(header_len))
     except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict) or not all(
+        isinstance(info, dict)
+        and isinstance(info.get("dtype"), str)
+        and isinstance(info.get("shape"), list)
+        and all(isinstance(n, int) and n >= 0 for n in info["shape"])
+        and isinstance(info.get("data_offsets"), list)
+        and len(info["data_offsets"]) == 2
+        and all(isinstance(n, int) and n >= 0 for n in info["data_offsets"])
+        for name, info in header.items()
+        if name != "__metadata__"
+    ):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a table of dtype/shape/data_offsets)")
     header.pop("__metadata__", None)
     data_start = 8 + header_len
     data_len = max((info["data_offsets"][1] for info in header.values()), default=0)

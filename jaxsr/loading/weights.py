@@ -29,6 +29,9 @@ class Rule:
     path: Path
     transform: Transform
     per_layer: bool = True
+    shape: tuple[int, ...] | None = None
+    """The tensor's shape in the checkpoint; checked before `transform` so that a wrong (or transposed)
+    tensor is reported by name instead of being silently reshaped."""
 
 
 def _identity(w: np.ndarray) -> np.ndarray:
@@ -53,62 +56,86 @@ def llama_rules(cfg: DecoderConfig) -> list[Rule]:
     d, H, K, D, F = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
     a, m = "layers.{i}.self_attn.", "layers.{i}.mlp."
     rules = [
-        Rule("embed_tokens.weight", ("embed",), _identity, per_layer=False),
-        Rule("norm.weight", ("final_norm", "scale"), _identity, per_layer=False),
-        Rule("layers.{i}.input_layernorm.weight", ("blocks", "attn_norm", "scale"), _identity),
-        Rule("layers.{i}.post_attention_layernorm.weight", ("blocks", "mlp_norm", "scale"), _identity),
-        Rule(a + "q_proj.weight", ("blocks", "attn", "q"), _linear(d, H, D)),
-        Rule(a + "k_proj.weight", ("blocks", "attn", "k"), _linear(d, K, D)),
-        Rule(a + "v_proj.weight", ("blocks", "attn", "v"), _linear(d, K, D)),
-        Rule(a + "o_proj.weight", ("blocks", "attn", "o"), _linear(H, D, d)),
-        Rule(m + "gate_proj.weight", ("blocks", "mlp", "gate"), _linear(d, F)),
-        Rule(m + "up_proj.weight", ("blocks", "mlp", "up"), _linear(d, F)),
-        Rule(m + "down_proj.weight", ("blocks", "mlp", "down"), _linear(F, d)),
+        Rule("embed_tokens.weight", ("embed",), _identity, per_layer=False, shape=(cfg.vocab_size, d)),
+        Rule("norm.weight", ("final_norm", "scale"), _identity, per_layer=False, shape=(d,)),
+        Rule("layers.{i}.input_layernorm.weight", ("blocks", "attn_norm", "scale"), _identity, shape=(d,)),
+        Rule(
+            "layers.{i}.post_attention_layernorm.weight",
+            ("blocks", "mlp_norm", "scale"),
+            _identity,
+            shape=(d,),
+        ),
+        Rule(a + "q_proj.weight", ("blocks", "attn", "q"), _linear(d, H, D), shape=(H * D, d)),
+        Rule(a + "k_proj.weight", ("blocks", "attn", "k"), _linear(d, K, D), shape=(K * D, d)),
+        Rule(a + "v_proj.weight", ("blocks", "attn", "v"), _linear(d, K, D), shape=(K * D, d)),
+        Rule(a + "o_proj.weight", ("blocks", "attn", "o"), _linear(H, D, d), shape=(d, H * D)),
+        Rule(m + "gate_proj.weight", ("blocks", "mlp", "gate"), _linear(d, F), shape=(F, d)),
+        Rule(m + "up_proj.weight", ("blocks", "mlp", "up"), _linear(d, F), shape=(F, d)),
+        Rule(m + "down_proj.weight", ("blocks", "mlp", "down"), _linear(F, d), shape=(d, F)),
     ]
     if cfg.qkv_bias:
         rules += [
-            Rule(a + "q_proj.bias", ("blocks", "attn", "q_bias"), _linear(H, D)),
-            Rule(a + "k_proj.bias", ("blocks", "attn", "k_bias"), _linear(K, D)),
-            Rule(a + "v_proj.bias", ("blocks", "attn", "v_bias"), _linear(K, D)),
+            Rule(a + "q_proj.bias", ("blocks", "attn", "q_bias"), _linear(H, D), shape=(H * D,)),
+            Rule(a + "k_proj.bias", ("blocks", "attn", "k_bias"), _linear(K, D), shape=(K * D,)),
+            Rule(a + "v_proj.bias", ("blocks", "attn", "v_bias"), _linear(K, D), shape=(K * D,)),
         ]
     if cfg.out_bias:
-        rules.append(Rule(a + "o_proj.bias", ("blocks", "attn", "o_bias"), _identity))
+        rules.append(Rule(a + "o_proj.bias", ("blocks", "attn", "o_bias"), _identity, shape=(d,)))
     if cfg.mlp_bias:
         rules += [
-            Rule(m + "gate_proj.bias", ("blocks", "mlp", "gate_bias"), _identity),
-            Rule(m + "up_proj.bias", ("blocks", "mlp", "up_bias"), _identity),
-            Rule(m + "down_proj.bias", ("blocks", "mlp", "down_bias"), _identity),
+            Rule(m + "gate_proj.bias", ("blocks", "mlp", "gate_bias"), _identity, shape=(F,)),
+            Rule(m + "up_proj.bias", ("blocks", "mlp", "up_bias"), _identity, shape=(F,)),
+            Rule(m + "down_proj.bias", ("blocks", "mlp", "down_bias"), _identity, shape=(d,)),
         ]
     if cfg.qk_norm:
         rules += [
-            Rule(a + "q_norm.weight", ("blocks", "attn", "q_norm", "scale"), _identity),
-            Rule(a + "k_norm.weight", ("blocks", "attn", "k_norm", "scale"), _identity),
+            Rule(a + "q_norm.weight", ("blocks", "attn", "q_norm", "scale"), _identity, shape=(D,)),
+            Rule(a + "k_norm.weight", ("blocks", "attn", "k_norm", "scale"), _identity, shape=(D,)),
         ]
     return rules
 
 
 def gpt2_rules(cfg: DecoderConfig) -> list[Rule]:
-    d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    d, H, D, F = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.intermediate_size
     h = "h.{i}."
+    # GPT-2's Conv1D weights are stored [in, out].
     rules = [
-        Rule("wte.weight", ("embed",), _identity, per_layer=False),
-        Rule("wpe.weight", ("pos_embed",), _identity, per_layer=False),
-        Rule("ln_f.weight", ("final_norm", "scale"), _identity, per_layer=False),
-        Rule("ln_f.bias", ("final_norm", "bias"), _identity, per_layer=False),
-        Rule(h + "ln_1.weight", ("blocks", "attn_norm", "scale"), _identity),
-        Rule(h + "ln_1.bias", ("blocks", "attn_norm", "bias"), _identity),
-        Rule(h + "ln_2.weight", ("blocks", "mlp_norm", "scale"), _identity),
-        Rule(h + "ln_2.bias", ("blocks", "mlp_norm", "bias"), _identity),
-        Rule(h + "attn.c_proj.weight", ("blocks", "attn", "o"), lambda w: w.reshape(H, D, d)),
-        Rule(h + "attn.c_proj.bias", ("blocks", "attn", "o_bias"), _identity),
-        Rule(h + "mlp.c_fc.weight", ("blocks", "mlp", "up"), _identity),
-        Rule(h + "mlp.c_fc.bias", ("blocks", "mlp", "up_bias"), _identity),
-        Rule(h + "mlp.c_proj.weight", ("blocks", "mlp", "down"), _identity),
-        Rule(h + "mlp.c_proj.bias", ("blocks", "mlp", "down_bias"), _identity),
+        Rule("wte.weight", ("embed",), _identity, per_layer=False, shape=(cfg.vocab_size, d)),
+        Rule(
+            "wpe.weight", ("pos_embed",), _identity, per_layer=False, shape=(cfg.max_position_embeddings, d)
+        ),
+        Rule("ln_f.weight", ("final_norm", "scale"), _identity, per_layer=False, shape=(d,)),
+        Rule("ln_f.bias", ("final_norm", "bias"), _identity, per_layer=False, shape=(d,)),
+        Rule(h + "ln_1.weight", ("blocks", "attn_norm", "scale"), _identity, shape=(d,)),
+        Rule(h + "ln_1.bias", ("blocks", "attn_norm", "bias"), _identity, shape=(d,)),
+        Rule(h + "ln_2.weight", ("blocks", "mlp_norm", "scale"), _identity, shape=(d,)),
+        Rule(h + "ln_2.bias", ("blocks", "mlp_norm", "bias"), _identity, shape=(d,)),
+        Rule(
+            h + "attn.c_proj.weight", ("blocks", "attn", "o"), lambda w: w.reshape(H, D, d), shape=(H * D, d)
+        ),
+        Rule(h + "attn.c_proj.bias", ("blocks", "attn", "o_bias"), _identity, shape=(d,)),
+        Rule(h + "mlp.c_fc.weight", ("blocks", "mlp", "up"), _identity, shape=(d, F)),
+        Rule(h + "mlp.c_fc.bias", ("blocks", "mlp", "up_bias"), _identity, shape=(F,)),
+        Rule(h + "mlp.c_proj.weight", ("blocks", "mlp", "down"), _identity, shape=(F, d)),
+        Rule(h + "mlp.c_proj.bias", ("blocks", "mlp", "down_bias"), _identity, shape=(d,)),
     ]
     for part, name in enumerate("qkv"):
-        rules.append(Rule(h + "attn.c_attn.weight", ("blocks", "attn", name), _columns(part, 3, d, H, D)))
-        rules.append(Rule(h + "attn.c_attn.bias", ("blocks", "attn", f"{name}_bias"), _columns(part, 3, H, D)))
+        rules.append(
+            Rule(
+                h + "attn.c_attn.weight",
+                ("blocks", "attn", name),
+                _columns(part, 3, d, H, D),
+                shape=(d, 3 * H * D),
+            )
+        )
+        rules.append(
+            Rule(
+                h + "attn.c_attn.bias",
+                ("blocks", "attn", f"{name}_bias"),
+                _columns(part, 3, H, D),
+                shape=(3 * H * D,),
+            )
+        )
     return rules
 
 
@@ -120,27 +147,38 @@ def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) ->
     prefix = next((p for p in ("model.", "transformer.", "") if p + anchor in tensors), None)
     if prefix is None:
         raise CheckpointError(f"missing tensor {anchor!r} (the token embedding)")
+    d = cfg.hidden_size
     if cfg.is_reward_model:
-        rules.append(Rule("score.weight", ("score",), np.transpose, per_layer=False))
+        rules.append(
+            Rule("score.weight", ("score",), np.transpose, per_layer=False, shape=(cfg.num_labels, d))
+        )
     elif not cfg.tie_word_embeddings:
-        rules.append(Rule("lm_head.weight", ("lm_head",), np.transpose, per_layer=False))
+        rules.append(
+            Rule("lm_head.weight", ("lm_head",), np.transpose, per_layer=False, shape=(cfg.vocab_size, d))
+        )
 
     used: set[str] = set()
 
-    def fetch(name: str) -> np.ndarray:
+    def fetch(name: str, rule: Rule) -> np.ndarray:
         full = name if name.startswith(("lm_head.", "score.")) else prefix + name
         if full not in tensors:
             raise CheckpointError(f"missing tensor {full!r}")
         used.add(full)
-        return tensors[full]
+        tensor = tensors[full]
+        if rule.shape is not None and tuple(tensor.shape) != rule.shape:
+            raise CheckpointError(
+                f"tensor {full!r} has shape {tuple(tensor.shape)}, expected {rule.shape} for this "
+                f"{cfg.model_type} config (parameter {'/'.join(rule.path)})"
+            )
+        return rule.transform(tensor)
 
     params: dict[Path, np.ndarray] = {}
     for rule in rules:
         if rule.per_layer:
-            layers = [rule.transform(fetch(rule.hf_name.format(i=i))) for i in range(cfg.num_layers)]
+            layers = [fetch(rule.hf_name.format(i=i), rule) for i in range(cfg.num_layers)]
             params[rule.path] = np.stack(layers)
         else:
-            params[rule.path] = rule.transform(fetch(rule.hf_name))
+            params[rule.path] = fetch(rule.hf_name, rule)
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unexpected = [
         n for n in tensors if n not in used and n not in ignorable and not n.endswith(IGNORED_SUFFIXES)

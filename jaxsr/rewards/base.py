@@ -1,0 +1,39 @@
+"""What a reward sees: one prompt and a batch of (possibly partial) responses to it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Candidates:
+    """Responses to one prompt, each cut before its EOS/stop token."""
+
+    prompt_text: str
+    """The user's prompt as text (what a reward model's chat template renders as the user turn)."""
+    prompt_ids: list[int]
+    """The prompt as the generator saw it (chat template applied)."""
+    token_ids: list[list[int]]
+    texts: list[str]
+    logprob_sum: np.ndarray
+    """[n] generator log-probability of each response's sampled tokens (stop token included)."""
+    num_tokens: np.ndarray
+    """[n] tokens each logprob_sum covers."""
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@runtime_checkable
+class Reward(Protocol):
+    """Scores responses; `token_forwards` counts the token positions it ran through its model."""
+
+    name: str
+    token_forwards: int
+
+    def score(self, candidates: Candidates) -> np.ndarray:
+        """[n] float scores, higher is better."""
+        ...

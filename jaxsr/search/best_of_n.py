@@ -1,0 +1,76 @@
+"""Best-of-N: sample N responses per prompt, score every one, return the argmax."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_sampling, check_seed, sample_many
+from jaxsr.decoding.prompts import bucket, check_context, check_positive_int, encode_prompts
+from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.models.model import Model
+from jaxsr.results import Result, Sample
+from jaxsr.rewards import as_reward
+from jaxsr.search.candidates import best, score_rows
+from jaxsr.search.memory import budget_slots
+
+
+def best_of_n(
+    model: Model,
+    reward: Any,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    n: int,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    memory_budget: int | str | None = None,
+    chat: bool | None = None,
+    stop_token_ids: Sequence[int] = (),
+    prompt_offset: int = 0,
+) -> list[Result]:
+    """N samples per prompt, all scored; `Result.best` is the argmax, `Result.samples` all N.
+
+    With a `memory_budget` (KV token slots or bytes) the N rows are decoded in chunks that fit it."""
+    if not isinstance(model, Model):
+        raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
+    reward = as_reward(reward)
+    n = check_positive_int("n", n)
+    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+    sampling, seed = check_sampling(sampling), check_seed(seed)
+    encoded = encode_prompts(model, prompts, chat=chat)
+    check_context(model, encoded, max_new_tokens)
+    max_rows = DEFAULT_MAX_ROWS
+    if memory_budget is not None:
+        slots = budget_slots(memory_budget, model)
+        per_row = bucket(max_new_tokens)
+        prompt_slots = bucket(max(map(len, encoded)))
+        if slots < prompt_slots + per_row:
+            raise ValueError(f"memory_budget: {slots} KV slots cannot hold one row ({prompt_slots + per_row})")
+        max_rows = max(1, 1 << ((slots - prompt_slots) // per_row).bit_length() - 1)
+    t0 = time.perf_counter()
+    raw, stats = sample_many(
+        model, encoded, num_samples=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+        stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
+    )
+    sample_s = time.perf_counter() - t0
+    results = []
+    for prompt, ids, rows, st in zip(prompts, encoded, raw, stats, strict=True):
+        t1 = time.perf_counter()
+        forwards_before = reward.token_forwards
+        scores, texts = score_rows(
+            model, reward, prompt, ids, [r.tokens for r in rows],
+            np.array([r.logprob for r in rows]), np.array([len(r.tokens) + r.finished for r in rows]),
+        )
+        samples = [
+            Sample(token_ids=r.tokens, text=t, score=float(s), finished=r.finished, logprob=r.logprob)
+            for r, t, s in zip(rows, texts, scores, strict=True)
+        ]
+        st["token_forwards"]["reward"] = reward.token_forwards - forwards_before
+        st["scoring_s"] = time.perf_counter() - t1
+        st["wall_s"] = sample_s / len(encoded) + st["scoring_s"]
+        results.append(Result(prompt=prompt, samples=samples, best=best(samples), stats=st))
+    return results

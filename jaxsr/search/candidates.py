@@ -1,0 +1,52 @@
+"""Scoring sampled rows with a reward and picking the best: shared by Best-of-N and SR."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxsr.models.model import Model
+from jaxsr.rewards.base import Candidates, Reward
+from jaxsr.results import Sample
+
+
+def prompt_text(model: Model, prompt: str | list[int]) -> str:
+    """The prompt as the reward's user turn: the text itself, or token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    return model.tokenizer.decode(prompt, skip_special_tokens=True) if model.tokenizer else ""
+
+
+def decode_texts(model: Model, token_lists: list[list[int]]) -> list[str]:
+    if model.tokenizer is None:
+        return ["" for _ in token_lists]
+    return model.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
+
+
+def score_rows(
+    model: Model,
+    reward: Reward,
+    prompt: str | list[int],
+    prompt_ids: list[int],
+    token_lists: list[list[int]],
+    logprob_sum: np.ndarray,
+    num_tokens: np.ndarray,
+) -> tuple[np.ndarray, list[str]]:
+    """Reward of each (partial) response, and the decoded texts."""
+    texts = decode_texts(model, token_lists)
+    candidates = Candidates(
+        prompt_text=prompt_text(model, prompt),
+        prompt_ids=prompt_ids,
+        token_ids=token_lists,
+        texts=texts,
+        logprob_sum=np.asarray(logprob_sum, np.float64),
+        num_tokens=np.asarray(num_tokens),
+    )
+    scores = np.asarray(reward.score(candidates), np.float64) if token_lists else np.zeros(0)
+    if scores.shape != (len(token_lists),):
+        raise ValueError(f"reward: {reward.name} returned shape {scores.shape} for {len(token_lists)} responses")
+    return scores, texts
+
+
+def best(samples: list[Sample]) -> Sample | None:
+    """The highest-scoring sample (the first one among equals)."""
+    return max(samples, key=lambda s: s.score, default=None) if samples else None

@@ -1,0 +1,55 @@
+"""KV memory budgets: token slots of one model's cache, from an int, a size string, or the device."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+
+from jaxsr.models.model import Model
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+DEVICE_HEADROOM = 0.9  # share of free accelerator memory the KV cache may take
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"memory_budget: cannot read {text!r}; expected e.g. '4GiB', '512MB' or a slot count")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def slot_bytes(model: Model) -> int:
+    """Bytes of K and V one token position takes in the model's cache."""
+    return model.config.kv_bytes_per_token(model.dtype.itemsize)
+
+
+def device_free_bytes() -> int | None:
+    """Free memory of the first accelerator, or None where the backend does not report it (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def budget_slots(memory_budget: int | str | None, model: Model, fallback_slots: int | None = None) -> int:
+    """The budget as token slots. `None` derives it from free device memory (parameters are already
+    resident, so they are excluded); where the device cannot tell (CPU), `fallback_slots` is used."""
+    if memory_budget is None:
+        free = device_free_bytes()
+        if free is not None:
+            return int(free * DEVICE_HEADROOM) // slot_bytes(model)
+        if fallback_slots is None:
+            raise ValueError("memory_budget: required on CPU (the device reports no free memory); "
+                             "give token slots (int) or bytes ('2GiB')")
+        return fallback_slots
+    if isinstance(memory_budget, bool):
+        raise TypeError("memory_budget: expected an int (token slots), a size string or None")
+    if isinstance(memory_budget, int):
+        if memory_budget < 1:
+            raise ValueError(f"memory_budget: expected a positive slot count, got {memory_budget}")
+        return memory_budget
+    if isinstance(memory_budget, str):
+        return parse_bytes(memory_budget) // slot_bytes(model)
+    raise TypeError(f"memory_budget: expected an int, a size string or None, got {type(memory_budget).__name__}")

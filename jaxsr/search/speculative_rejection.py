@@ -1,0 +1,262 @@
+"""Speculative Rejection (Sun, Haider, Zhang et al., NeurIPS 2024).
+
+Best-of-N that starts as wide as the KV memory budget allows and, whenever the cache segment is full
+(or every `decision_interval` tokens), scores the partial responses and stops the worst. One prompt
+at a time: its KV is prefilled once and shared by every row. Rows live in one fixed-shape decode
+state; finished and rejected rows are masked, and at each decision point the survivors are gathered
+into the next rung of a static batch ladder B0 > round((1-α)·B0) > … whose row cache gets the length
+the budget allows. Survivors are never re-prefilled.
+
+Deviations from the reference implementation (deliberate): survivors keep their exact tokens and
+cache (no re-tokenisation, no truncation to the shortest row) and padding is never attended to.
+When the keep rule leaves more unfinished rows than a smaller rung can hold (possible when finished
+responses from earlier rounds sit in the pool), the lowest-ranked extra rows are also stopped, since
+the cache could not grow otherwise; `Result.stats["forced_rejections"]` counts them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsr.decoding.generate import check_sampling, check_seed, stop_id_matrix
+from jaxsr.decoding.prompts import bucket, check_context, check_positive_int, encode_prompts, left_pad
+from jaxsr.decoding.sampler import compact, decode_loop, init_state, prefill
+from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.models.model import Model
+from jaxsr.results import Result, Sample
+from jaxsr.rewards import as_reward
+from jaxsr.rewards.base import Reward
+from jaxsr.search.candidates import best, score_rows
+from jaxsr.search.memory import budget_slots, slot_bytes
+
+Rule = Literal["keep_fraction", "quantile"]
+SLOT_ALIGN = 8  # row-cache lengths are multiples of this, bounding the compiled shapes
+
+
+def batch_ladder(first: int, rejection_rate: float) -> list[int]:
+    """B0, round((1-α)·B0), … down to 1 (stops early when a rung would not shrink, e.g. α=0)."""
+    rungs = [first]
+    while rungs[-1] > 1:
+        nxt = max(1, round((1 - rejection_rate) * rungs[-1]))
+        if nxt >= rungs[-1]:
+            break
+        rungs.append(nxt)
+    return rungs
+
+
+def keep_mask(scores: np.ndarray, rejection_rate: float, rule: Rule = "keep_fraction") -> np.ndarray:
+    """Which pool members survive a decision point.
+
+    keep_fraction (the reference's rule): the round((1-α)·|pool|) best (Python's round, half to even;
+    ties broken by pool order; at least one). quantile (the paper's rule): scores ≥ the α-quantile."""
+    kept = np.zeros(len(scores), bool)
+    if len(scores) == 0:
+        return kept
+    if rule == "keep_fraction":
+        k = max(1, round((1 - rejection_rate) * len(scores)))
+        kept[np.argsort(-scores, kind="stable")[:k]] = True
+    elif rule == "quantile":
+        kept = scores >= np.quantile(scores, rejection_rate)
+        kept[int(np.argmax(scores))] = True
+    else:
+        raise ValueError(f"rule: expected 'keep_fraction' or 'quantile', got {rule!r}")
+    return kept
+
+
+def _check_rate(rejection_rate: Any) -> float:
+    if isinstance(rejection_rate, bool) or not isinstance(rejection_rate, int | float):
+        raise TypeError(f"rejection_rate: expected a float in [0, 1), got {type(rejection_rate).__name__}")
+    if not 0 <= rejection_rate < 1:
+        raise ValueError(f"rejection_rate: expected a value in [0, 1), got {rejection_rate}")
+    return float(rejection_rate)
+
+
+class _Plan:
+    """Memory plan for one prompt: first batch, ladder, and each rung's row-cache length."""
+
+    def __init__(self, budget: int, prompt_slots: int, max_new_tokens: int, n: int | None,
+                 rate: float, min_segment: int):
+        self.budget, self.prompt_slots = budget, prompt_slots
+        self.max_slots = bucket(max_new_tokens)
+        room = budget - prompt_slots
+        if room < min_segment:
+            raise ValueError(
+                f"memory_budget: {budget} KV slots cannot hold one row (prompt {prompt_slots} + "
+                f"first segment {min_segment})"
+            )
+        first = n if n is not None else room // min_segment
+        if first * min_segment > room:
+            raise ValueError(
+                f"memory_budget: {budget} KV slots cannot start n={first} rows "
+                f"({prompt_slots} prompt + {first}×{min_segment} first-segment slots)"
+            )
+        self.ladder = batch_ladder(first, rate)
+
+    def capacity(self, rows: int) -> int:
+        room = (self.budget - self.prompt_slots) // rows
+        return min(self.max_slots, max(SLOT_ALIGN, room // SLOT_ALIGN * SLOT_ALIGN) if room >= SLOT_ALIGN else room)
+
+    def next_rung(self, survivors: int, generated: int) -> int | None:
+        """Smallest rung ≥ survivors whose cache can grow past `generated`; else the widest that can."""
+        fitting = [b for b in self.ladder if self.capacity(b) >= generated]
+        if not fitting:
+            return None
+        wide_enough = [b for b in fitting if b >= survivors]
+        return min(wide_enough) if wide_enough else max(fitting)
+
+
+def speculative_rejection(
+    model: Model,
+    reward: Any,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    n: int | None = None,
+    rejection_rate: float = 0.5,
+    memory_budget: int | str | None = None,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    decision_interval: int | None = None,
+    rule: Rule = "keep_fraction",
+    min_first_segment: int = 16,
+    chat: bool | None = None,
+    stop_token_ids: Sequence[int] = (),
+    prompt_offset: int = 0,
+) -> list[Result]:
+    """Speculative Rejection per prompt; `rejection_rate=0` with a budget that holds all n rows is
+    exactly `best_of_n` with the same seed. See the module docstring for the algorithm."""
+    if not isinstance(model, Model):
+        raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
+    reward = as_reward(reward)
+    rate = _check_rate(rejection_rate)
+    if n is not None:
+        n = check_positive_int("n", n)
+    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+    min_first_segment = check_positive_int("min_first_segment", min_first_segment)
+    if decision_interval is not None:
+        decision_interval = check_positive_int("decision_interval", decision_interval)
+    if rule not in ("keep_fraction", "quantile"):
+        raise ValueError(f"rule: expected 'keep_fraction' or 'quantile', got {rule!r}")
+    sampling, seed = check_sampling(sampling), check_seed(seed)
+    encoded = encode_prompts(model, prompts, chat=chat)
+    check_context(model, encoded, max_new_tokens)
+    results = []
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
+        prompt_slots = bucket(len(ids))
+        fallback = None if n is None else prompt_slots + n * bucket(max_new_tokens)
+        budget = budget_slots(memory_budget, model, fallback_slots=fallback)
+        plan = _Plan(budget, prompt_slots, max_new_tokens, n, rate, min_first_segment)
+        results.append(
+            _one_prompt(model, reward, prompt, ids, plan, max_new_tokens, sampling, seed, rate, rule,
+                        decision_interval, stop_token_ids, prompt_offset + i)
+        )
+    return results
+
+
+def _one_prompt(
+    model: Model, reward: Reward, prompt: Any, ids: list[int], plan: _Plan, max_new_tokens: int,
+    sampling: SamplingConfig, seed: int, rate: float, rule: Rule, interval: int | None,
+    stop_token_ids: Sequence[int], prompt_id: int,
+) -> Result:
+    timings = dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
+    t_start = time.perf_counter()
+    reward_before = reward.token_forwards
+    tokens, mask = left_pad([ids], 1, plan.prompt_slots)
+    last_logits, prompt_cache = prefill(model.graph, model.params, jnp.asarray(tokens), jnp.asarray(mask))
+    jax.block_until_ready(last_logits)
+    timings["prefill_s"] = time.perf_counter() - t_start
+    generator_forwards = plan.prompt_slots
+
+    rows = plan.ladder[0]
+    state = init_state(
+        last_logits, prompt_cache, samples_per_prompt=rows, capacity=plan.max_slots,
+        cache_capacity=plan.capacity(rows), sampling=sampling, seed=np.uint32(seed),
+        prompt_ids=jnp.asarray([prompt_id], jnp.int32), sample_ids=jnp.arange(rows, dtype=jnp.int32),
+        alive=jnp.ones((rows,), bool), max_new_tokens=jnp.full((rows,), max_new_tokens, jnp.int32),
+        stop_ids=jnp.asarray(stop_id_matrix(model, rows, stop_token_ids)),
+    )
+    kept_finished: list[Sample] = []  # finished responses that survived their decision point
+    sample_index: dict[int, Sample] = {}
+    round_log: list[dict[str, Any]] = []
+    forced = 0
+    generated = 1
+    while True:
+        capacity = state.rows.capacity
+        pause = min(max_new_tokens, capacity + 1)
+        if interval is not None:
+            pause = min(pause, generated + interval)
+        t0 = time.perf_counter()
+        live = int(np.asarray(state.alive).sum())
+        state = decode_loop(model.graph, model.params, state, prompt_cache, sampling=sampling,
+                            pause_at=jnp.asarray(pause, jnp.int32))
+        host = jax.device_get((state.tokens, state.num_generated, state.finished, state.done,
+                               state.alive, state.logprob_sum, state.sample_id, state.steps))
+        buf, num, finished, done, alive, logprob, sample_id, steps = host
+        decode_s = time.perf_counter() - t0
+        timings["decode_s"] += decode_s
+        batch = len(alive)
+        steps_before = sum(r["steps"] for r in round_log)
+        round_log.append({
+            "start_token": generated, "end_token": int(num[alive].max(initial=generated)),
+            "batch_size": batch, "live_rows": live, "steps": int(steps) - steps_before,
+            "kv_bytes": (plan.prompt_slots + batch * capacity) * slot_bytes(model), "decode_s": decode_s,
+        })
+        generator_forwards += (int(steps) - steps_before) * batch
+        generated = int(num[alive].max(initial=generated))
+
+        # score every live row of this round (partial or complete)
+        t1 = time.perf_counter()
+        live_rows = np.flatnonzero(alive)
+        token_lists = [buf[r, : num[r] - finished[r]].tolist() for r in live_rows]
+        scores, texts = score_rows(model, reward, prompt, ids, token_lists, logprob[live_rows], num[live_rows])
+        round_samples = [
+            Sample(token_ids=t, text=x, score=float(s), finished=bool(finished[r]), logprob=float(logprob[r]))
+            for r, t, x, s in zip(live_rows, token_lists, texts, scores, strict=True)
+        ]
+        timings["scoring_s"] += time.perf_counter() - t1
+        for r, s in zip(live_rows, round_samples, strict=True):
+            sample_index[int(sample_id[r])] = s
+
+        if done[alive].all():  # last round: every row finished or reached max_new_tokens
+            final = kept_finished + round_samples
+            break
+        pool = kept_finished + round_samples
+        kept = keep_mask(np.array([s.score for s in pool]), rate, rule)
+        kept_finished = [s for s, k in zip(pool, kept, strict=True) if k and s.finished]
+        in_round = kept[len(pool) - len(round_samples) :]
+        order = np.argsort(-scores, kind="stable")
+        survivors = [int(live_rows[j]) for j in order if in_round[j] and not finished[live_rows[j]]]
+        rung = plan.next_rung(len(survivors), generated)
+        if rung is None or not survivors:  # memory cannot hold any row further: stop here
+            final = kept_finished + [s for s, k in zip(round_samples, in_round, strict=True) if k and not s.finished]
+            break
+        forced += max(0, len(survivors) - rung)
+        survivors = sorted(survivors[:rung])
+        t2 = time.perf_counter()
+        index = np.array(survivors + [survivors[0]] * (rung - len(survivors)), np.int32)
+        alive_next = np.arange(rung) < len(survivors)
+        state = compact(state, jnp.asarray(index), jnp.asarray(alive_next), cache_capacity=plan.capacity(rung))
+        timings["compaction_s"] += time.perf_counter() - t2
+
+    wall = time.perf_counter() - t_start
+    final.sort(key=lambda s: next(k for k, v in sample_index.items() if v is s))
+    stats = {
+        "wall_s": wall,
+        **timings,
+        "host_s": wall - sum(timings.values()),
+        "token_forwards": {"generator": generator_forwards, "reward": reward.token_forwards - reward_before},
+        "rounds": len(round_log),
+        "batch_sizes": [r["live_rows"] for r in round_log],
+        "kv_bytes": [r["kv_bytes"] for r in round_log],
+        "round_log": round_log,
+        "initial_batch": plan.ladder[0],
+        "memory_budget_slots": plan.budget,
+        "forced_rejections": forced,
+    }
+    return Result(prompt=prompt, samples=final, best=best(final), stats=stats)
