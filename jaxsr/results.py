@@ -17,6 +17,8 @@ class Sample:
     """True when it stopped on EOS/stop rather than on `max_new_tokens`."""
     logprob: float | None = None
     """Sum of the generator's log-probabilities of the sampled tokens (stop token included)."""
+    index: int | None = None
+    """Sample index within its prompt: with the seed and prompt index it fixes the random stream."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -125,7 +125,10 @@ def sample_many(
 
 def to_sample(model: Model, raw: RawSample, score: float | None = None) -> Sample:
     text = model.tokenizer.decode(raw.tokens, skip_special_tokens=True) if model.tokenizer else ""
-    return Sample(token_ids=raw.tokens, text=text, score=score, finished=raw.finished, logprob=raw.logprob)
+    return Sample(
+        token_ids=raw.tokens, text=text, score=score, finished=raw.finished, logprob=raw.logprob,
+        index=raw.sample_index,
+    )
 
 
 def generate(

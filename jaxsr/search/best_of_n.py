@@ -66,7 +66,8 @@ def best_of_n(
             np.array([r.logprob for r in rows]), np.array([len(r.tokens) + r.finished for r in rows]),
         )
         samples = [
-            Sample(token_ids=r.tokens, text=t, score=float(s), finished=r.finished, logprob=r.logprob)
+            Sample(token_ids=r.tokens, text=t, score=float(s), finished=r.finished, logprob=r.logprob,
+                   index=r.sample_index)
             for r, t, s in zip(rows, texts, scores, strict=True)
         ]
         st["token_forwards"]["reward"] = reward.token_forwards - forwards_before

@@ -182,7 +182,6 @@ def _one_prompt(
         stop_ids=jnp.asarray(stop_id_matrix(model, rows, stop_token_ids)),
     )
     kept_finished: list[Sample] = []  # finished responses that survived their decision point
-    sample_index: dict[int, Sample] = {}
     round_log: list[dict[str, Any]] = []
     forced = 0
     generated = 1
@@ -216,13 +215,11 @@ def _one_prompt(
         token_lists = [buf[r, : num[r] - finished[r]].tolist() for r in live_rows]
         scores, texts = score_rows(model, reward, prompt, ids, token_lists, logprob[live_rows], num[live_rows])
         round_samples = [
-            Sample(token_ids=t, text=x, score=float(s), finished=bool(finished[r]), logprob=float(logprob[r]))
+            Sample(token_ids=t, text=x, score=float(s), finished=bool(finished[r]), logprob=float(logprob[r]),
+                   index=int(sample_id[r]))
             for r, t, x, s in zip(live_rows, token_lists, texts, scores, strict=True)
         ]
         timings["scoring_s"] += time.perf_counter() - t1
-        for r, s in zip(live_rows, round_samples, strict=True):
-            sample_index[int(sample_id[r])] = s
-
         if done[alive].all():  # last round: every row finished or reached max_new_tokens
             final = kept_finished + round_samples
             break
@@ -245,7 +242,7 @@ def _one_prompt(
         timings["compaction_s"] += time.perf_counter() - t2
 
     wall = time.perf_counter() - t_start
-    final.sort(key=lambda s: next(k for k, v in sample_index.items() if v is s))
+    final.sort(key=lambda s: s.index)
     stats = {
         "wall_s": wall,
         **timings,

@@ -1,0 +1,176 @@
+"""The batched sampler: processors, greedy, determinism across layouts, stops, compiles, exactness."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import jaxsr
+from jaxsr.decoding import sampler
+from jaxsr.decoding.sampling import SamplingConfig, process_logits
+from tiny import tiny_model
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model(seed=0)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(temperature=0.7, top_k=5, top_p=1.0),
+        SamplingConfig(temperature=1.3, top_k=0, top_p=0.8),
+        SamplingConfig(temperature=1.0, top_k=20, top_p=0.5),
+        SamplingConfig(temperature=1.0, top_k=0, top_p=1.0),
+    ],
+)
+def test_processors_keep_the_same_tokens_as_hugging_face(config):
+    logits = np.random.default_rng(0).normal(size=(6, 97)).astype(np.float32) * 3
+    ref = torch.tensor(logits)
+    for warper in (
+        TemperatureLogitsWarper(config.temperature),
+        TopKLogitsWarper(config.top_k) if config.top_k else None,
+        TopPLogitsWarper(config.top_p) if config.top_p < 1 else None,
+    ):
+        if warper is not None:
+            ref = warper(None, ref)
+    ref = ref.numpy()
+    ours = np.asarray(process_logits(logits, config))
+    kept = ref > -np.inf
+    np.testing.assert_array_equal(ours > -1e29, kept)
+    np.testing.assert_allclose(ours[kept], ref[kept], rtol=1e-6)
+
+
+def test_greedy_equals_argmax_of_the_full_forward(lm):
+    out = jaxsr.generate(lm, PROMPTS[:2], max_new_tokens=12, sampling=SamplingConfig(temperature=0))
+    for prompt, result in zip(PROMPTS, out, strict=False):
+        generated = result.samples[0].token_ids
+        assert len(generated) == 12
+        # teacher-forced: every generated token is the argmax after the tokens before it
+        logits = np.asarray(lm.logits([prompt + generated]))[0]
+        assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == generated
+
+
+def test_same_seed_same_tokens_whatever_the_batch_layout(lm):
+    cfg = SamplingConfig(temperature=1.0, top_k=0)
+    whole = jaxsr.generate(lm, PROMPTS, max_new_tokens=10, num_samples=3, seed=7, sampling=cfg)
+    for max_rows in (1, 4):
+        other = jaxsr.generate(lm, PROMPTS, max_new_tokens=10, num_samples=3, seed=7, sampling=cfg, max_rows=max_rows)
+        assert [[s.token_ids for s in r.samples] for r in other] == [[s.token_ids for s in r.samples] for r in whole]
+    # a prompt's streams depend on its global index, so a split job reproduces the whole one
+    tail = jaxsr.generate(lm, PROMPTS[2:], max_new_tokens=10, num_samples=3, seed=7, sampling=cfg, prompt_offset=2)
+    assert [s.token_ids for s in tail[0].samples] == [s.token_ids for s in whole[2].samples]
+    different = jaxsr.generate(lm, PROMPTS, max_new_tokens=10, num_samples=3, seed=8, sampling=cfg)
+    assert [s.token_ids for s in different[0].samples] != [s.token_ids for s in whole[0].samples]
+    # the samples of one prompt differ from each other
+    assert len({tuple(s.token_ids) for s in whole[0].samples}) == 3
+
+
+def test_stop_ids_end_a_row_and_are_not_returned(lm):
+    greedy = SamplingConfig(temperature=0)
+    free = jaxsr.generate(lm, [PROMPTS[0]], max_new_tokens=8, sampling=greedy)[0].samples[0]
+    assert not free.finished and len(free.token_ids) == 8
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    stopped = jaxsr.generate(lm, [PROMPTS[0]], max_new_tokens=8, sampling=greedy, stop_token_ids=[stop])
+    sample = stopped[0].samples[0]
+    assert sample.finished and sample.token_ids == free.token_ids[:first]
+    eos_model = tiny_model(seed=0, eos_token_ids=(stop,))
+    assert jaxsr.generate(eos_model, [PROMPTS[0]], max_new_tokens=8, sampling=greedy)[0].samples[0] == sample
+
+
+def test_second_call_with_the_same_buckets_compiles_nothing(lm):
+    jaxsr.generate(lm, [[1, 2, 3]], max_new_tokens=9, num_samples=2, seed=1)
+    sizes = [f._cache_size() for f in (sampler.prefill, sampler.init_state, sampler.decode_loop)]
+    # another prompt length, budget and seed inside the same buckets
+    jaxsr.generate(lm, [[5, 6, 7, 8, 9, 10]], max_new_tokens=14, num_samples=2, seed=2)
+    assert [f._cache_size() for f in (sampler.prefill, sampler.init_state, sampler.decode_loop)] == sizes
+    jaxsr.generate(lm, [[5] * 20], max_new_tokens=14, num_samples=2, seed=2)  # a longer prompt bucket
+    assert sampler.prefill._cache_size() == sizes[0] + 1
+
+
+def test_prompt_is_prefilled_once_for_all_samples(lm):
+    result = jaxsr.generate(lm, [[1, 2, 3]], max_new_tokens=5, num_samples=8, seed=0)[0]
+    # one prompt row of the 16-token bucket, then 4 decode steps of the 8 rows
+    assert result.stats["token_forwards"]["generator"] == 16 + 4 * 8
+
+
+def test_first_token_distribution_is_the_processed_softmax(lm):
+    cfg = SamplingConfig(temperature=0.8, top_k=6, top_p=0.95)
+    n = 4000
+    out = jaxsr.generate(lm, [PROMPTS[1]], max_new_tokens=1, num_samples=n, seed=3, sampling=cfg, max_rows=n)
+    counts = np.bincount([s.token_ids[0] for s in out[0].samples], minlength=lm.config.vocab_size)
+    probs = np.asarray(jax_softmax(process_logits(lm.logits([PROMPTS[1]])[:, -1], cfg)))[0].astype(np.float64)
+    support = probs > 1e-9
+    assert counts[~support].sum() == 0 and support.sum() > 2
+    expected = probs[support] / probs[support].sum() * n
+    _, p_value = scipy.stats.chisquare(counts[support], expected)
+    assert p_value > 1e-3
+
+
+def jax_softmax(x):
+    import jax
+
+    return jax.nn.softmax(x, axis=-1)
+
+
+def test_self_likelihood_is_accumulated_from_the_sampling_logits(lm):
+    sample = jaxsr.generate(lm, [PROMPTS[0]], max_new_tokens=6, seed=4)[0].samples[0]
+    seq = PROMPTS[0] + sample.token_ids
+    logp = np.asarray(jax_log_softmax(lm.logits([seq])))[0]
+    expected = sum(logp[len(PROMPTS[0]) - 1 + i, t] for i, t in enumerate(sample.token_ids))
+    assert sample.logprob == pytest.approx(expected, rel=1e-4, abs=1e-4)
+
+
+def jax_log_softmax(x):
+    import jax
+
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"prompts": []}, ValueError, "prompts"),
+        ({"prompts": [[]]}, ValueError, "prompts[0]"),
+        ({"prompts": ["  "]}, ValueError, "prompts[0]"),
+        ({"prompts": "hello"}, TypeError, "prompts"),
+        ({"prompts": [[1] * 250]}, ValueError, "context"),
+        ({"prompts": [[99]]}, ValueError, "prompts[0]"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+        ({"num_samples": 0}, ValueError, "num_samples"),
+        ({"seed": -1}, TypeError, "seed"),
+        ({"sampling": {"temperature": 1}}, TypeError, "sampling"),
+    ],
+)
+def test_bad_input_is_refused(lm, kwargs, error, name):
+    args = {"prompts": [[1, 2]], "max_new_tokens": 8, **kwargs}
+    with pytest.raises(error, match=name.replace("[", r"\[").replace("]", r"\]")):
+        jaxsr.generate(lm, **args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"top_p": 0.0}, ValueError, "top_p"),
+        ({"top_p": 1.5}, ValueError, "top_p"),
+        ({"top_k": -1}, ValueError, "top_k"),
+        ({"top_k": 2.5}, TypeError, "top_k"),
+        ({"temperature": float("nan")}, ValueError, "temperature"),
+        ({"temperature": float("inf")}, ValueError, "temperature"),
+        ({"temperature": -0.5}, ValueError, "temperature"),
+    ],
+)
+def test_bad_sampling_config_is_refused(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        SamplingConfig(**kwargs)

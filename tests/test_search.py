@@ -1,0 +1,164 @@
+"""Best-of-N and Speculative Rejection on tiny random models with the self-likelihood reward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxsr
+from jaxsr.decoding import sampler
+from jaxsr.rewards import SelfLikelihood
+from jaxsr.search.memory import parse_bytes, slot_bytes
+from jaxsr.search.speculative_rejection import batch_ladder, keep_mask
+from tiny import tiny_model
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model(seed=0, eos_token_ids=(5,))
+
+
+def reference_keep(scores: list[float], rate: float) -> set[int]:
+    """Plain-Python statement of the reference rule: sort by score, descending, first come first."""
+    k = max(1, round((1 - rate) * len(scores)))
+    ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return set(ranked[:k])
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_keep_rule_matches_plain_python(rate):
+    rng = np.random.default_rng(int(rate * 10))
+    for size in [1, 2, 3, 5, 7, 10, 33]:
+        scores = rng.integers(0, 4, size).astype(float)  # many ties
+        assert set(np.flatnonzero(keep_mask(scores, rate))) == reference_keep(list(scores), rate)
+
+
+def test_keep_rule_rounds_half_to_even():
+    assert keep_mask(np.arange(5.0), 0.5).sum() == 2  # round(2.5) == 2
+    assert keep_mask(np.arange(3.0), 0.5).sum() == 2  # round(1.5) == 2
+    assert keep_mask(np.arange(1.0), 0.9).sum() == 1  # never empty
+
+
+def test_quantile_rule_keeps_scores_at_or_above_the_quantile():
+    scores = np.array([0.1, 0.5, 0.2, 0.9, 0.4])
+    kept = keep_mask(scores, 0.5, rule="quantile")
+    assert set(np.flatnonzero(kept)) == {1, 3, 4}
+
+
+def test_batch_ladder():
+    assert batch_ladder(64, 0.5) == [64, 32, 16, 8, 4, 2, 1]
+    assert batch_ladder(10, 0.3) == [10, 7, 5, 4, 3, 2, 1]
+    assert batch_ladder(8, 0.0) == [8]
+
+
+def test_zero_rejection_is_best_of_n(lm):
+    reward = SelfLikelihood()
+    bon = jaxsr.best_of_n(lm, reward, PROMPTS, n=8, max_new_tokens=20, seed=3)
+    sr = jaxsr.speculative_rejection(
+        lm, reward, PROMPTS, n=8, rejection_rate=0.0, max_new_tokens=20, seed=3, memory_budget=16 + 8 * 32
+    )
+    for a, b in zip(bon, sr, strict=True):
+        assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+        assert a.best == b.best and a.best is not None
+        assert b.stats["rounds"] == 1
+
+
+@pytest.fixture(scope="module")
+def sr_run(lm):
+    budget = 16 + 32 * 8
+    results = jaxsr.speculative_rejection(
+        lm, SelfLikelihood(), PROMPTS, n=32, rejection_rate=0.5, max_new_tokens=40, seed=3,
+        memory_budget=budget, min_first_segment=8,
+    )
+    bon = jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS, n=32, max_new_tokens=40, seed=3)
+    return budget, results, bon
+
+
+def test_survivors_continue_exactly_as_they_would_unrejected(sr_run):
+    _, results, bon = sr_run
+    for sr, full in zip(results, bon, strict=True):
+        for sample in sr.samples:
+            twin = full.samples[sample.index]
+            assert sample.token_ids == twin.token_ids
+            assert sample.finished == twin.finished
+            assert sample.score == pytest.approx(twin.score, rel=1e-5, abs=1e-5)
+
+
+def test_batch_shrinks_and_memory_stays_within_budget(lm, sr_run):
+    budget, results, _ = sr_run
+    for r in results:
+        sizes = r.stats["batch_sizes"]
+        assert sizes[0] == 32 and r.stats["rounds"] >= 2
+        assert all(b < a for a, b in zip(sizes, sizes[1:], strict=False))
+        assert max(r.stats["kv_bytes"]) <= budget * slot_bytes(lm)
+        # the prompt is prefilled once: generator forwards = prompt bucket + decode rows
+        decode = sum(x["steps"] * x["batch_size"] for x in r.stats["round_log"])
+        assert r.stats["token_forwards"]["generator"] == 16 + decode
+        assert r.best is max(r.samples, key=lambda s: s.score)
+
+
+def test_memory_derived_first_batch(lm):
+    r = jaxsr.speculative_rejection(
+        lm, SelfLikelihood(), PROMPTS[:1], rejection_rate=0.5, max_new_tokens=8, memory_budget=16 + 10 * 16
+    )[0]
+    assert r.stats["initial_batch"] == 10 and r.stats["batch_sizes"][0] == 10
+
+
+def test_each_rung_compiles_once(lm):
+    kwargs = dict(n=16, rejection_rate=0.5, max_new_tokens=24, memory_budget=16 + 16 * 8, min_first_segment=8)
+    jaxsr.speculative_rejection(lm, SelfLikelihood(), [[1, 2, 3]], seed=1, **kwargs)
+    sizes = (sampler.decode_loop._cache_size(), sampler.compact._cache_size())
+    jaxsr.speculative_rejection(lm, SelfLikelihood(), [[7, 8, 9, 10]], seed=2, **kwargs)
+    assert (sampler.decode_loop._cache_size(), sampler.compact._cache_size()) == sizes
+
+
+def test_decision_interval(lm):
+    r = jaxsr.speculative_rejection(
+        lm, SelfLikelihood(), PROMPTS[:1], n=8, rejection_rate=0.5, max_new_tokens=30, memory_budget=10_000,
+        decision_interval=5,
+    )[0]
+    starts = [x["start_token"] for x in r.stats["round_log"]]
+    assert starts == [1 + 5 * i for i in range(len(starts))] and len(starts) >= 3
+    assert r.stats["batch_sizes"][:3] == [8, 4, 2]
+
+
+def test_parse_bytes():
+    assert parse_bytes("4GiB") == 4 * 2**30
+    assert parse_bytes("1.5 MB") == 1_500_000
+    with pytest.raises(ValueError, match="memory_budget"):
+        parse_bytes("lots")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"rejection_rate": 1.0}, ValueError, "rejection_rate"),
+        ({"rejection_rate": -0.1}, ValueError, "rejection_rate"),
+        ({"n": 0}, ValueError, "n"),
+        ({"memory_budget": 20}, ValueError, "memory_budget"),
+        ({"memory_budget": 0}, ValueError, "memory_budget"),
+        ({"memory_budget": "a lot"}, ValueError, "memory_budget"),
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
+        ({"rule": "median"}, ValueError, "rule"),
+        ({"reward": object()}, TypeError, "reward"),
+        ({"prompts": []}, ValueError, "prompts"),
+    ],
+)
+def test_speculative_rejection_refuses_bad_input(lm, kwargs, error, name):
+    args = dict(reward=SelfLikelihood(), prompts=[[1, 2]], n=4, max_new_tokens=8, memory_budget=1000)
+    args.update(kwargs)
+    with pytest.raises(error, match=name):
+        jaxsr.speculative_rejection(lm, **args)
+
+
+def test_best_of_n_chunks_to_the_memory_budget(lm):
+    whole = jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS[:1], n=8, max_new_tokens=10, seed=0)[0]
+    chunked = jaxsr.best_of_n(
+        lm, SelfLikelihood(), PROMPTS[:1], n=8, max_new_tokens=10, seed=0, memory_budget=16 + 2 * 16
+    )[0]
+    assert [s.token_ids for s in chunked.samples] == [s.token_ids for s in whole.samples]
+    assert chunked.best == whole.best
+    with pytest.raises(ValueError, match="n"):
+        jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS, n=0, max_new_tokens=4)
