@@ -61,6 +61,8 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     if model_type == "gpt2":
         if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
             raise ValueError("config.json: GPT-2 variants with per-layer attention scaling are not supported")
+        if hf.get("scale_attn_weights", True) is False:
+            raise ValueError("config.json: GPT-2 with scale_attn_weights=false is not supported")
         d = hf["n_embd"]
         return DecoderConfig(
             vocab_size=hf["vocab_size"],
