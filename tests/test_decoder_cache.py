@@ -104,11 +104,11 @@ def _decode(graph, params, tokens, positions, prompt, rows) -> tuple[jax.Array, 
 
 def _garbage_rows(cfg: DecoderConfig, rows: int, capacity: int, seed: int = 7) -> RowCache:
     """An empty RowCache whose slots hold large random values (must never be attended)."""
-    shape = (cfg.num_layers, rows, capacity, cfg.num_kv_heads, cfg.head_dim)
+    empty = RowCache.empty(cfg, rows, capacity)
     rng = np.random.default_rng(seed)
     return RowCache(
-        k=jnp.asarray(10.0 * rng.standard_normal(shape), jnp.float32),
-        v=jnp.asarray(10.0 * rng.standard_normal(shape), jnp.float32),
+        k=jnp.asarray(10.0 * rng.standard_normal(empty.k.shape), jnp.float32),
+        v=jnp.asarray(10.0 * rng.standard_normal(empty.v.shape), jnp.float32),
         length=jnp.zeros((rows,), jnp.int32),
     )
 

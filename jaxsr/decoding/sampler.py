@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from jaxsr.decoding.sampling import SamplingConfig, process_logits, sample
+from jaxsr.decoding.sampling import SamplingConfig, draw
 from jaxsr.models.cache import PromptCache, RowCache
 
 
@@ -82,11 +82,10 @@ def _choose(
 ) -> tuple[jax.Array, jax.Array]:
     """Sample a token per row from raw logits [B, V]; also return its raw log-probability."""
     seed, prompt_id, sample_id, index = state_like
-    keys = row_keys(seed, prompt_id, sample_id, index)
-    processed = process_logits(logits, sampling)
-    tokens = jax.vmap(lambda k, z: sample(k, z, sampling))(keys, processed)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    tokens = draw(row_keys(seed, prompt_id, sample_id, index), logits, sampling)
+    logits = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
 
 
 def _record(state: DecodeState, tokens: jax.Array, logp: jax.Array, active: jax.Array) -> DecodeState:
@@ -141,12 +140,7 @@ def init_state(
     G = samples_per_prompt
     P = last_logits.shape[0]
     B = P * G
-    L, _, _, K, D = prompt.k.shape
-    rows = RowCache(
-        k=jnp.zeros((L, B, cache_capacity, K, D), prompt.k.dtype),
-        v=jnp.zeros((L, B, cache_capacity, K, D), prompt.v.dtype),
-        length=jnp.zeros((B,), jnp.int32),
-    )
+    rows = RowCache.empty_like(prompt, B, cache_capacity)
     state = DecodeState(
         tokens=jnp.zeros((B, capacity), jnp.int32),
         num_generated=jnp.zeros((B,), jnp.int32),

@@ -49,16 +49,40 @@ def process_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:
     if config.temperature != 1.0:
         logits = logits / config.temperature
     if 0 < config.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, config.top_k)[0][..., -1:]
+        # .min rather than [..., -1:]: XLA:CPU otherwise re-runs top_k for every element it masks
+        kth = jax.lax.top_k(logits, config.top_k)[0].min(-1, keepdims=True)
         logits = jnp.where(logits < kth, MASKED, logits)
     if config.top_p < 1.0:
-        sorted_logits = -jnp.sort(-logits, axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        above = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-        kept = jnp.maximum((above < config.top_p).sum(-1, keepdims=True), 1)
-        threshold = jnp.take_along_axis(sorted_logits, kept - 1, axis=-1)
+        kept = _top_p_sorted(-jnp.sort(-logits, axis=-1), config.top_p)
+        threshold = jnp.where(kept > MASKED, kept, jnp.inf).min(-1, keepdims=True)
         logits = jnp.where(logits < threshold, MASKED, logits)
     return logits
+
+
+def _top_p_sorted(sorted_logits: jax.Array, top_p: float) -> jax.Array:
+    """Mask descending-sorted logits outside the nucleus (the top token always stays)."""
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    above = jnp.cumsum(probs, axis=-1) - probs
+    return jnp.where(above < top_p, sorted_logits, MASKED)
+
+
+def draw(keys: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:
+    """One token per row [B] from raw logits [B, V] with per-row keys, distributed as
+    softmax(process_logits(logits)). With top-k on, only the k candidates are sampled from, which
+    avoids drawing V Gumbel variables per row (equal in law; exact ties at the k-th logit aside)."""
+    if config.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    V = logits.shape[-1]
+    if 0 < config.top_k < V:
+        values, index = jax.lax.top_k(logits.astype(jnp.float32), config.top_k)
+        if config.temperature != 1.0:
+            values = values / config.temperature
+        if config.top_p < 1.0:
+            values = _top_p_sorted(values, config.top_p)
+        choice = jax.vmap(jax.random.categorical)(keys, values)
+        return jnp.take_along_axis(index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    processed = process_logits(logits, config)
+    return jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32)
 
 
 def sample(key: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:

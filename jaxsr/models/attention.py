@@ -17,7 +17,8 @@ from jaxsr.models.layers import MASKED
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """Keys/values [N, S, kv_heads, head_dim] and which of them each query may see.
+    """Keys [N, kv_heads, head_dim, S], values [N, kv_heads, S, head_dim], and which of them each query
+    may see.
 
     `shared=True`: N is the number of prompts, row b belongs to prompt b // (B // N), and `mask` is
     [N, S]. `shared=False`: N == B and `mask` is [B, T, S] (per query).
@@ -32,32 +33,32 @@ class Segment:
 def attend(q: jax.Array, segments: list[Segment], scale: float) -> jax.Array:
     """q: [B, T, heads, head_dim] → [B, T, heads, head_dim]."""
     B, T, H, D = q.shape
-    K = segments[0].k.shape[-2]
+    K = segments[0].k.shape[1]
     q = q.reshape(B, T, K, H // K, D)
     scores = []
     for seg in segments:
         if seg.shared:
             P = seg.k.shape[0]
             qp = q.reshape(P, B // P, T, K, H // K, D)
-            s = jnp.einsum("pgtkrd,pskd->pgkrts", qp, seg.k, preferred_element_type=jnp.float32)
+            s = jnp.einsum("pgtkrd,pkds->pgkrts", qp, seg.k, preferred_element_type=jnp.float32)
             s = jnp.where(seg.mask[:, None, None, None, None, :], s * scale, MASKED)
             s = s.reshape(B, K, H // K, T, -1)
         else:
-            s = jnp.einsum("btkrd,bskd->bkrts", q, seg.k, preferred_element_type=jnp.float32)
+            s = jnp.einsum("btkrd,bkds->bkrts", q, seg.k, preferred_element_type=jnp.float32)
             s = jnp.where(seg.mask[:, None, None, :, :], s * scale, MASKED)
         scores.append(s)
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     out = jnp.zeros((B, T, K, H // K, D), jnp.float32)
     start = 0
     for seg in segments:
-        S = seg.k.shape[1]
+        S = seg.k.shape[-1]
         p = probs[..., start : start + S].astype(seg.v.dtype)
         start += S
         if seg.shared:
             P = seg.k.shape[0]
             p = p.reshape(P, B // P, K, H // K, T, S)
-            o = jnp.einsum("pgkrts,pskd->pgtkrd", p, seg.v, preferred_element_type=jnp.float32)
+            o = jnp.einsum("pgkrts,pksd->pgtkrd", p, seg.v, preferred_element_type=jnp.float32)
             out = out + o.reshape(B, T, K, H // K, D)
         else:
-            out = out + jnp.einsum("bkrts,bskd->btkrd", p, seg.v, preferred_element_type=jnp.float32)
+            out = out + jnp.einsum("bkrts,bksd->btkrd", p, seg.v, preferred_element_type=jnp.float32)
     return out.reshape(B, T, H, D).astype(q.dtype)

@@ -2,6 +2,10 @@
 
 A prompt is prefilled once and its keys/values are stored once in a `PromptCache`; the rows sampled from
 it (N candidates per prompt) keep only their generated tokens in a `RowCache` and attend to both.
+
+Layout: keys are stored transposed, [layers, rows, kv_heads, head_dim, slots], and values as
+[layers, rows, kv_heads, slots, head_dim], so both attention products are plain batched matmuls over
+(row, head) with no transpose of the cache in the decode step.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from jaxsr.models.config import DecoderConfig
 
 @struct.dataclass
 class PromptCache:
-    """Keys/values of left-padded prompts: `k`, `v` are [layers, prompts, S, kv_heads, head_dim]."""
+    """Keys [layers, prompts, kv_heads, head_dim, S] and values [layers, prompts, kv_heads, S, head_dim]
+    of left-padded prompts."""
 
     k: jax.Array
     v: jax.Array
@@ -37,7 +42,8 @@ class PromptCache:
 
 @struct.dataclass
 class RowCache:
-    """Per-row keys/values of generated tokens: [layers, rows, capacity, kv_heads, head_dim].
+    """Per-row keys [layers, rows, kv_heads, head_dim, capacity] and values [..., capacity, head_dim] of
+    generated tokens.
 
     Row b's slots [0, length[b]) are valid; rolling back (rejected speculative tokens) or freezing a row
     is done by its `length` alone, never by clearing memory.
@@ -51,22 +57,49 @@ class RowCache:
     def empty(
         cls, config: DecoderConfig, rows: int, capacity: int, dtype: jnp.dtype = jnp.float32
     ) -> RowCache:
-        shape = (config.num_layers, rows, capacity, config.num_kv_heads, config.head_dim)
+        L, K, D = config.num_layers, config.num_kv_heads, config.head_dim
         return cls(
-            k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((rows,), jnp.int32)
+            k=jnp.zeros((L, rows, K, D, capacity), dtype),
+            v=jnp.zeros((L, rows, K, capacity, D), dtype),
+            length=jnp.zeros((rows,), jnp.int32),
+        )
+
+    @classmethod
+    def empty_like(cls, prompt: PromptCache, rows: int, capacity: int) -> RowCache:
+        """An empty cache for `rows` rows decoding from `prompt` (same model, dtype and layout)."""
+        L, _, K, D, _ = prompt.k.shape
+        return cls(
+            k=jnp.zeros((L, rows, K, D, capacity), prompt.k.dtype),
+            v=jnp.zeros((L, rows, K, capacity, D), prompt.v.dtype),
+            length=jnp.zeros((rows,), jnp.int32),
         )
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[-1]
+
+    def write(self, k: jax.Array, v: jax.Array) -> RowCache:
+        """Store new keys/values [layers, rows, T, kv_heads, head_dim] at slots length + [0, T).
+
+        Slots past the capacity are dropped; `length` is left to the caller. Inside a jitted loop whose
+        state is donated this is an in-place scatter of only the new entries."""
+        L, B, T = k.shape[:3]
+        slots = (self.length[:, None] + jnp.arange(T)[None, :])[None, :, :]
+        rows = jnp.arange(B)[None, :, None]
+        layers = jnp.arange(L)[:, None, None]
+        # advanced indices (layer, row, slot) come first in the indexed shape: [L, B, T, K, D]
+        new_k = self.k.at[layers, rows, :, :, slots].set(k, mode="drop")
+        new_v = self.v.at[layers, rows, :, slots].set(v, mode="drop")
+        return RowCache(k=new_k, v=new_v, length=self.length)
 
     def take(self, index: jax.Array, capacity: int | None = None) -> RowCache:
         """Rows at `index` (compaction), optionally with a new slot capacity (kept slots are unchanged)."""
         k, v = self.k[:, index], self.v[:, index]
         capacity = self.capacity if capacity is None else capacity
         if capacity < self.capacity:
-            k, v = k[:, :, :capacity], v[:, :, :capacity]
+            k, v = k[..., :capacity], v[:, :, :, :capacity]
         elif capacity > self.capacity:
-            pad = [(0, 0), (0, 0), (0, capacity - self.capacity), (0, 0), (0, 0)]
-            k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+            extra = capacity - self.capacity
+            k = jnp.pad(k, [(0, 0)] * 4 + [(0, extra)])
+            v = jnp.pad(v, [(0, 0)] * 3 + [(0, extra), (0, 0)])
         return RowCache(k=k, v=v, length=self.length[index])

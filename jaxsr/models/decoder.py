@@ -140,6 +140,7 @@ class Decoder(nnx.Module):
         def layer(x, layer_state):
             block = nnx.merge(graph, layer_state)
             q, k, v = self._qkv(block, x, positions)
+            k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # cache layout
             attn = attend(q, [Segment(k, v, visible, shared=False)], self._scale)
             return self._finish_block(block, x, attn), (k, v)
 
@@ -155,31 +156,28 @@ class Decoder(nnx.Module):
         New keys go to slots rows.length + [0, T); the returned cache keeps `length` unchanged — the
         caller advances it by what it accepts (all T for plain sampling, fewer after a rejection).
         """
-        B, T = tokens.shape
-        slots = rows.length[:, None] + jnp.arange(T)[None, :]
-        capacity = rows.capacity
-        visible = jnp.arange(capacity)[None, None, :] <= slots[:, :, None]
-        batch_index = jnp.arange(B)[:, None]
+        T = tokens.shape[1]
+        old_visible = jnp.arange(rows.capacity)[None, None, :] < rows.length[:, None, None]
+        new_visible = jnp.tril(jnp.ones((T, T), bool))[None]
         graph, stacked = nnx.split(self.blocks)
 
-        def layer(carry, xs):
-            x, cache_k, cache_v = carry
-            layer_state, prompt_k, prompt_v, index = xs
+        def layer(x, xs):
+            layer_state, prompt_k, prompt_v, cache_k, cache_v = xs
             block = nnx.merge(graph, layer_state)
             q, k, v = self._qkv(block, x, positions)
-            cache_k = cache_k.at[index, batch_index, slots].set(k, mode="drop")
-            cache_v = cache_v.at[index, batch_index, slots].set(v, mode="drop")
             segments = [
                 Segment(prompt_k, prompt_v, prompt.mask, shared=True),
-                Segment(cache_k[index], cache_v[index], visible, shared=False),
+                Segment(cache_k, cache_v, old_visible, shared=False),
+                Segment(k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), new_visible, shared=False),
             ]
             attn = attend(q, segments, self._scale)
-            return (self._finish_block(block, x, attn), cache_k, cache_v), None
+            return self._finish_block(block, x, attn), (k, v)
 
-        xs = (stacked, prompt.k, prompt.v, jnp.arange(self.config.num_layers))
-        carry = (self._embed(tokens, positions), rows.k, rows.v)
-        (x, k, v), _ = jax.lax.scan(layer, carry, xs)
-        return self.final_norm(x), RowCache(k=k, v=v, length=rows.length)
+        # the cache is only read inside the layer scan; new entries are written once afterwards, so a
+        # donated cache is updated in place instead of being copied layer by layer
+        xs = (stacked, prompt.k, prompt.v, rows.k, rows.v)
+        x, (k, v) = jax.lax.scan(layer, self._embed(tokens, positions), xs)
+        return self.final_norm(x), rows.write(k, v)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Language-model logits in float32."""
