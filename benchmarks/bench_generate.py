@@ -16,7 +16,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jaxsr
 from benchmarks.common import table, write_result
@@ -60,7 +59,9 @@ def step_lower_bound(lm: jaxsr.Model, rows: int, context: int, machine: dict[str
 def run_jaxsr(lm: jaxsr.Model, n: int, new_tokens: int, sampling: jaxsr.SamplingConfig) -> dict[str, float]:
     def once(seed: int) -> float:
         t = time.perf_counter()
-        out = jaxsr.generate(lm, [PROMPT], max_new_tokens=new_tokens, num_samples=n, sampling=sampling, seed=seed)
+        out = jaxsr.generate(
+            lm, [PROMPT], max_new_tokens=new_tokens, num_samples=n, sampling=sampling, seed=seed
+        )
         assert all(len(s.token_ids) == new_tokens for s in out[0].samples)
         return time.perf_counter() - t
 
@@ -74,10 +75,19 @@ def run_hf(model, input_ids, n: int, new_tokens: int) -> float:
 
     batch = input_ids.repeat(n, 1)
     with torch.inference_mode():
-        model.generate(batch, do_sample=True, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=4, min_new_tokens=4)
+        model.generate(
+            batch, do_sample=True, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=4, min_new_tokens=4
+        )
         t = time.perf_counter()
-        out = model.generate(batch, do_sample=True, top_k=50, top_p=1.0, temperature=1.0,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+        out = model.generate(
+            batch,
+            do_sample=True,
+            top_k=50,
+            top_p=1.0,
+            temperature=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+        )
         seconds = time.perf_counter() - t
     assert out.shape[1] == batch.shape[1] + new_tokens
     return seconds
@@ -103,7 +113,9 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(args.threads)
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
         hf.generation_config.pad_token_id = hf.generation_config.eos_token_id
         ids = torch.tensor([encode_prompts(lm, [PROMPT])[0]])
 
@@ -126,12 +138,28 @@ def main() -> None:
             row["speedup"] = row["jaxsr_tok_s"] / row["hf_tok_s"]
         rows.append(row)
         print(row, flush=True)
-    columns = ["N", "jaxsr_tok_s", "hf_tok_s", "speedup", "jaxsr_step_ms", "hf_step_ms", "lower_bound_step_ms",
-               "step_vs_bound", "jaxsr_compile_s"]
+    columns = [
+        "N",
+        "jaxsr_tok_s",
+        "hf_tok_s",
+        "speedup",
+        "jaxsr_step_ms",
+        "hf_step_ms",
+        "lower_bound_step_ms",
+        "step_vs_bound",
+        "jaxsr_compile_s",
+    ]
     print(table(rows, columns))
-    path = write_result(args.name, {"machine_measured": machine, "new_tokens": args.new_tokens,
-                                    "threads": args.threads, "rows": rows,
-                                    "xla_flags": os.environ.get("XLA_FLAGS", "")})
+    path = write_result(
+        args.name,
+        {
+            "machine_measured": machine,
+            "new_tokens": args.new_tokens,
+            "threads": args.threads,
+            "rows": rows,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -19,10 +20,8 @@ def environment() -> dict[str, Any]:
 
     versions = {}
     for package in ("jax", "jaxlib", "flax", "numpy", "transformers", "torch"):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass
     return {
         "machine": platform.machine(),
         "processor": platform.processor() or _cpu_name(),
@@ -56,6 +55,7 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     """A Markdown table of `rows` (floats with 3 significant digits)."""
+
     def fmt(v: Any) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 

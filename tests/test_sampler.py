@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
+from tiny import tiny_model
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -15,7 +16,6 @@ from transformers.generation.logits_process import (
 import jaxsr
 from jaxsr.decoding import sampler
 from jaxsr.decoding.sampling import SamplingConfig, process_logits
-from tiny import tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13]]
 
@@ -65,10 +65,16 @@ def test_same_seed_same_tokens_whatever_the_batch_layout(lm):
     cfg = SamplingConfig(temperature=1.0, top_k=0)
     whole = jaxsr.generate(lm, PROMPTS, max_new_tokens=10, num_samples=3, seed=7, sampling=cfg)
     for max_rows in (1, 4):
-        other = jaxsr.generate(lm, PROMPTS, max_new_tokens=10, num_samples=3, seed=7, sampling=cfg, max_rows=max_rows)
-        assert [[s.token_ids for s in r.samples] for r in other] == [[s.token_ids for s in r.samples] for r in whole]
+        other = jaxsr.generate(
+            lm, PROMPTS, max_new_tokens=10, num_samples=3, seed=7, sampling=cfg, max_rows=max_rows
+        )
+        assert [[s.token_ids for s in r.samples] for r in other] == [
+            [s.token_ids for s in r.samples] for r in whole
+        ]
     # a prompt's streams depend on its global index, so a split job reproduces the whole one
-    tail = jaxsr.generate(lm, PROMPTS[2:], max_new_tokens=10, num_samples=3, seed=7, sampling=cfg, prompt_offset=2)
+    tail = jaxsr.generate(
+        lm, PROMPTS[2:], max_new_tokens=10, num_samples=3, seed=7, sampling=cfg, prompt_offset=2
+    )
     assert [s.token_ids for s in tail[0].samples] == [s.token_ids for s in whole[2].samples]
     different = jaxsr.generate(lm, PROMPTS, max_new_tokens=10, num_samples=3, seed=8, sampling=cfg)
     assert [s.token_ids for s in different[0].samples] != [s.token_ids for s in whole[0].samples]

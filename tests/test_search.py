@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
+from tiny import tiny_model
 
 import jaxsr
 from jaxsr.decoding import sampler
 from jaxsr.rewards import SelfLikelihood
 from jaxsr.search.memory import parse_bytes, slot_bytes
 from jaxsr.search.speculative_rejection import batch_ladder, keep_mask
-from tiny import tiny_model
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
 
@@ -69,8 +71,15 @@ def test_zero_rejection_is_best_of_n(lm):
 def sr_run(lm):
     budget = 16 + 32 * 8
     results = jaxsr.speculative_rejection(
-        lm, SelfLikelihood(), PROMPTS, n=32, rejection_rate=0.5, max_new_tokens=40, seed=3,
-        memory_budget=budget, min_first_segment=8,
+        lm,
+        SelfLikelihood(),
+        PROMPTS,
+        n=32,
+        rejection_rate=0.5,
+        max_new_tokens=40,
+        seed=3,
+        memory_budget=budget,
+        min_first_segment=8,
     )
     bon = jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS, n=32, max_new_tokens=40, seed=3)
     return budget, results, bon
@@ -91,7 +100,7 @@ def test_batch_shrinks_and_memory_stays_within_budget(lm, sr_run):
     for r in results:
         sizes = r.stats["batch_sizes"]
         assert sizes[0] == 32 and r.stats["rounds"] >= 2
-        assert all(b < a for a, b in zip(sizes, sizes[1:], strict=False))
+        assert all(b < a for a, b in itertools.pairwise(sizes))
         assert max(r.stats["kv_bytes"]) <= budget * slot_bytes(lm)
         # the prompt is prefilled once: generator forwards = prompt bucket + decode rows
         decode = sum(x["steps"] * x["batch_size"] for x in r.stats["round_log"])
@@ -116,7 +125,13 @@ def test_each_rung_compiles_once(lm):
 
 def test_decision_interval(lm):
     r = jaxsr.speculative_rejection(
-        lm, SelfLikelihood(), PROMPTS[:1], n=8, rejection_rate=0.5, max_new_tokens=30, memory_budget=10_000,
+        lm,
+        SelfLikelihood(),
+        PROMPTS[:1],
+        n=8,
+        rejection_rate=0.5,
+        max_new_tokens=30,
+        memory_budget=10_000,
         decision_interval=5,
     )[0]
     starts = [x["start_token"] for x in r.stats["round_log"]]

@@ -24,7 +24,9 @@ def tiny_config(**overrides) -> DecoderConfig:
     return DecoderConfig(**fields)
 
 
-def tiny_model(seed: int = 0, eos_token_ids: tuple[int, ...] = (), logit_scale: float = 15.0, **overrides) -> Model:
+def tiny_model(
+    seed: int = 0, eos_token_ids: tuple[int, ...] = (), logit_scale: float = 15.0, **overrides
+) -> Model:
     """A random decoder; `logit_scale` spreads its logits so that samples are not near-uniform."""
     module = Decoder(tiny_config(**overrides), rngs=nnx.Rngs(seed))
     module.lm_head[...] = module.lm_head[...] * logit_scale

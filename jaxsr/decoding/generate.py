@@ -101,7 +101,14 @@ def sample_many(
             )
             state = decode_loop(model.graph, model.params, state, prompt_cache, sampling=sampling)
             out = jax.device_get(
-                (state.tokens, state.num_generated, state.finished, state.alive, state.logprob_sum, state.steps)
+                (
+                    state.tokens,
+                    state.num_generated,
+                    state.finished,
+                    state.alive,
+                    state.logprob_sum,
+                    state.steps,
+                )
             )
             decode_s += time.perf_counter() - t1
             buf, num, finished, alive, logprob, steps = out
@@ -110,7 +117,9 @@ def sample_many(
                 p, s = divmod(int(row), G)
                 n = int(num[row]) - bool(finished[row])
                 samples[start + p].append(
-                    RawSample(p + start, first + s, buf[row, :n].tolist(), bool(finished[row]), float(logprob[row]))
+                    RawSample(
+                        p + start, first + s, buf[row, :n].tolist(), bool(finished[row]), float(logprob[row])
+                    )
                 )
         for p in range(len(chunk)):
             stats[start + p] = {
@@ -126,7 +135,11 @@ def sample_many(
 def to_sample(model: Model, raw: RawSample, score: float | None = None) -> Sample:
     text = model.tokenizer.decode(raw.tokens, skip_special_tokens=True) if model.tokenizer else ""
     return Sample(
-        token_ids=raw.tokens, text=text, score=score, finished=raw.finished, logprob=raw.logprob,
+        token_ids=raw.tokens,
+        text=text,
+        score=score,
+        finished=raw.finished,
+        logprob=raw.logprob,
         index=raw.sample_index,
     )
 

@@ -60,8 +60,17 @@ def compact(state: DecodeState, index: jax.Array, alive: jax.Array, *, cache_cap
     """Gather rows `index` into a (smaller) batch whose row cache has `cache_capacity` slots.
 
     Survivors keep their tokens, cache entries and random streams; `alive=False` marks padding rows."""
-    per_row = ("tokens", "num_generated", "finished", "done", "logprob_sum", "prompt_id", "sample_id",
-               "max_new_tokens", "stop_ids")
+    per_row = (
+        "tokens",
+        "num_generated",
+        "finished",
+        "done",
+        "logprob_sum",
+        "prompt_id",
+        "sample_id",
+        "max_new_tokens",
+        "stop_ids",
+    )
     gathered = {name: getattr(state, name)[index] for name in per_row}
     gathered["done"] = gathered["done"] | ~alive
     return state.replace(**gathered, alive=alive, rows=state.rows.take(index, cache_capacity))
@@ -157,7 +166,9 @@ def init_state(
         steps=jnp.zeros((), jnp.int32),
     )
     logits = jnp.repeat(last_logits, G, axis=0)
-    tokens, logp = _choose(logits, (state.seed, state.prompt_id, state.sample_id, state.num_generated), sampling)
+    tokens, logp = _choose(
+        logits, (state.seed, state.prompt_id, state.sample_id, state.num_generated), sampling
+    )
     return _record(state, tokens, logp, alive)
 
 
@@ -184,7 +195,9 @@ def step(
     rows = state.rows.replace(length=fed_index)
     hidden, rows = module.decode(fed, positions, prompt, rows)
     logits = module.logits(hidden[:, 0])
-    tokens, logp = _choose(logits, (state.seed, state.prompt_id, state.sample_id, state.num_generated), sampling)
+    tokens, logp = _choose(
+        logits, (state.seed, state.prompt_id, state.sample_id, state.num_generated), sampling
+    )
     state = _record(state.replace(rows=rows.replace(length=fed_index + active)), tokens, logp, active)
     return state.replace(steps=state.steps + 1)
 

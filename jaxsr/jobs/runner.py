@@ -39,7 +39,11 @@ def find_dataset(name: str) -> Path:
 def read_prompts(source: str, limit: int | None = None) -> list[str]:
     path = find_dataset(source)
     text = path.read_text()
-    records = json.loads(text) if path.suffix == ".json" else [json.loads(l) for l in text.splitlines() if l.strip()]
+    records = (
+        json.loads(text)
+        if path.suffix == ".json"
+        else [json.loads(l) for l in text.splitlines() if l.strip()]
+    )
     prompts = []
     for i, record in enumerate(records):
         prompt = record.get("prompt") if isinstance(record, dict) else record

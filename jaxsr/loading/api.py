@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxsr.loading import param_cache
 from jaxsr.loading.hf_config import decoder_config_from_hf
 from jaxsr.loading.params import place_params
 from jaxsr.loading.safetensors import CheckpointError, SafetensorsCheckpoint
 from jaxsr.loading.weights import convert_hf_tensors
+from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model, RewardModel
 
@@ -39,7 +43,8 @@ def resolve_source(source: str | Path, revision: str | None = None) -> Path:
 
 def load_tokenizer(directory: Path) -> Any:
     """The checkpoint's transformers tokenizer (with its chat template), or None if it ships none."""
-    if not any((directory / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any((directory / n).exists() for n in names):
         return None
     from transformers import AutoTokenizer
 
@@ -59,29 +64,58 @@ def _eos_ids(hf_config: dict[str, Any], directory: Path | None, tokenizer: Any) 
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | None) -> Model:
+def _read_checkpoint(path: Path, is_gguf: bool) -> tuple[dict[str, Any], Mapping[str, Any], Any]:
+    """(HF config dict, HF-named tensors, tokenizer) of a GGUF file or a checkpoint directory."""
+    if is_gguf:
+        from jaxsr.loading.gguf import read_gguf
+
+        return read_gguf(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{path}: no config.json")
+    return json.loads(config_file.read_text()), SafetensorsCheckpoint(path), load_tokenizer(path)
+
+
+def _decoder(config: DecoderConfig, dtype: str) -> Callable[[], Decoder]:
+    return lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0))
+
+
+def _restore_cached(
+    path: Path, is_gguf: bool, dtype: str, mesh: Mesh | None
+) -> tuple[dict[str, Any], nnx.GraphDef, nnx.State, Any] | None:
+    """(HF config, graph, params, tokenizer) from the parameter cache, or None on a miss."""
+    entry = param_cache.lookup(path)
+    if entry is None:
+        return None
+    config = decoder_config_from_hf(entry.hf_config)
+    try:
+        graph, params = entry.restore(_decoder(config, dtype), dtype, mesh)
+        tokenizer = entry.tokenizer() if is_gguf else load_tokenizer(path)
+    except param_cache.CacheError as e:
+        warnings.warn(f"jaxsr: rebuilding the parameter cache: {e}", stacklevel=4)
+        return None
+    return entry.hf_config, graph, params, tokenizer
+
+
+def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | None, cache: bool) -> Model:
     dtype = _check_dtype(dtype)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh or None, got {type(mesh).__name__}")
     path = resolve_source(source, revision)
-    if path.is_file() and path.suffix == ".gguf":
-        from jaxsr.loading.gguf import read_gguf
-
-        hf_config, tensors, tokenizer = read_gguf(path)
-        directory = None
-    elif path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.exists():
-            raise CheckpointError(f"{path}: no config.json")
-        hf_config = json.loads(config_file.read_text())
-        tensors = SafetensorsCheckpoint(path)
-        tokenizer = load_tokenizer(path)
-        directory = path
-    else:
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if not is_gguf and not path.is_dir():
         raise ValueError(f"source: {source} is neither a checkpoint directory nor a .gguf file")
-    config = decoder_config_from_hf(hf_config)
-    arrays = convert_hf_tensors(config, tensors)
-    graph, params = place_params(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)), arrays, dtype, mesh)
+    cached = _restore_cached(path, is_gguf, dtype, mesh) if cache else None
+    if cached is not None:
+        hf_config, graph, params, tokenizer = cached
+        config = decoder_config_from_hf(hf_config)
+    else:
+        hf_config, tensors, tokenizer = _read_checkpoint(path, is_gguf)
+        config = decoder_config_from_hf(hf_config)
+        arrays = convert_hf_tensors(config, tensors)
+        if cache:
+            param_cache.store(path, hf_config, arrays, tokenizer if is_gguf else None)
+        graph, params = place_params(_decoder(config, dtype), arrays, dtype, mesh)
     cls = RewardModel if config.is_reward_model else Model
     return cls(
         config=config,
@@ -90,22 +124,36 @@ def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | Non
         tokenizer=tokenizer,
         mesh=mesh,
         name=str(source),
-        eos_token_ids=_eos_ids(hf_config, directory, tokenizer),
+        eos_token_ids=_eos_ids(hf_config, None if is_gguf else path, tokenizer),
     )
 
 
 def load_model(
-    source: str | Path, *, dtype: str = "float32", mesh: Mesh | None = None, revision: str | None = None
+    source: str | Path,
+    *,
+    dtype: str = "float32",
+    mesh: Mesh | None = None,
+    revision: str | None = None,
+    cache: bool = True,
 ) -> Model:
-    """Load a causal LM (or, for a *ForSequenceClassification checkpoint, a `RewardModel`)."""
-    return _load(source, dtype, mesh, revision)
+    """Load a causal LM (or, for a *ForSequenceClassification checkpoint, a `RewardModel`).
+
+    `cache`: reuse (and write) converted parameters under `$JAXSR_CACHE_DIR` for GGUF files and large
+    checkpoints (see `jaxsr.loading.param_cache`); False bypasses the cache entirely.
+    """
+    return _load(source, dtype, mesh, revision, cache)
 
 
 def load_reward_model(
-    source: str | Path, *, dtype: str = "float32", mesh: Mesh | None = None, revision: str | None = None
+    source: str | Path,
+    *,
+    dtype: str = "float32",
+    mesh: Mesh | None = None,
+    revision: str | None = None,
+    cache: bool = True,
 ) -> RewardModel:
-    """Load a *ForSequenceClassification checkpoint as a reward model."""
-    model = _load(source, dtype, mesh, revision)
+    """Load a *ForSequenceClassification checkpoint as a reward model (`cache` as in `load_model`)."""
+    model = _load(source, dtype, mesh, revision, cache)
     if not isinstance(model, RewardModel):
         raise ValueError(
             f"source: {source} is a {model.config.model_type} language model, not a "

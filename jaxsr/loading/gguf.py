@@ -106,13 +106,20 @@ class _Metadata:
 class GGUFTensors(Mapping[str, np.ndarray]):
     """HF-named float32 tensors of one GGUF file, dequantised when read (one at a time, not all at once)."""
 
-    def __init__(self, tensors: Mapping[str, ReaderTensor], qk_heads: dict[str, int]):
+    def __init__(self, path: Path, tensors: Mapping[str, ReaderTensor], qk_heads: dict[str, int]):
+        self._path = path
         self._tensors = tensors
         self._qk_heads = qk_heads
 
     def __getitem__(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
-        w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        try:
+            w = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        except NotImplementedError:
+            raise CheckpointError(
+                f"{self._path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, "
+                "which the gguf package cannot dequantize"
+            ) from None
         w = w.reshape(tuple(int(n) for n in reversed(tensor.shape)))
         for proj, heads in self._qk_heads.items():
             if f".self_attn.{proj}." in name:
@@ -160,7 +167,7 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
     if meta.get(f"{arch}.attention.value_length", head_dim) != head_dim:
         raise ValueError(f"{path}: attention value_length differs from key_length; not supported")
     if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"{path}: partial rotary embeddings (rope.dimension_count < head dim) are not supported")
+        raise ValueError(f"{path}: partial rotary embeddings (rope.dimension_count < head_dim): unsupported")
     config = {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
@@ -220,4 +227,4 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], Mapping[str, np.ndarray
     if arch in PERMUTED_QK:
         qk_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     tokenizer = _load_tokenizer(path) if "tokenizer.ggml.model" in meta.fields else None
-    return config, GGUFTensors(tensors, qk_heads), tokenizer
+    return config, GGUFTensors(path, tensors, qk_heads), tokenizer

@@ -22,7 +22,9 @@ _ACTIVATIONS = {
 
 def _activation(name: str) -> str:
     if name not in _ACTIVATIONS:
-        raise ValueError(f"config.json: hidden_act {name!r} is not supported; expected one of {sorted(_ACTIVATIONS)}")
+        raise ValueError(
+            f"config.json: hidden_act {name!r} is not supported; expected one of {sorted(_ACTIVATIONS)}"
+        )
     return _ACTIVATIONS[name]
 
 

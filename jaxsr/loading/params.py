@@ -37,7 +37,7 @@ def place_params(
             raise CheckpointError(
                 f"parameter {'/'.join(path)}: checkpoint shape {value.shape} != expected {variable.shape}"
             )
-        if value.dtype.kind == 'f' or value.dtype == jnp.bfloat16:
+        if value.dtype.kind == "f" or value.dtype == jnp.bfloat16:
             value = value.astype(jnp.dtype(dtype))
         if mesh is None:
             array = jax.device_put(value)

@@ -63,7 +63,9 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise CheckpointError(
             f"{path}: truncated: header promises {data_start + data_len} bytes, file has {size}"
         )
-    mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_len,)) if data_len else None
+    mapped = (
+        np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_len,)) if data_len else None
+    )
     tensors = {}
     for name, info in header.items():
         if info["dtype"] not in DTYPES:
@@ -73,7 +75,9 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         shape = tuple(info["shape"])
         if end - start != dtype.itemsize * int(np.prod(shape)):
             raise CheckpointError(f"{path}: tensor {name!r} byte range does not match its shape")
-        tensors[name] = mapped[start:end].view(dtype).reshape(shape) if end > start else np.zeros(shape, dtype)
+        tensors[name] = (
+            mapped[start:end].view(dtype).reshape(shape) if end > start else np.zeros(shape, dtype)
+        )
     return tensors
 
 
@@ -95,7 +99,8 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
             )
             hint = (
                 f" Found pickle-based {pickled}; jaxsr never unpickles checkpoints. Convert once with "
-                "`transformers`: AutoModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)."
+                "`transformers`: AutoModel.from_pretrained(dir)"
+                ".save_pretrained(dir, safe_serialization=True)."
                 if pickled
                 else ""
             )

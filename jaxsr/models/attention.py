@@ -29,6 +29,11 @@ class Segment:
     mask: jax.Array
     shared: bool
 
+    @classmethod
+    def from_projections(cls, k: jax.Array, v: jax.Array, mask: jax.Array, shared: bool = False) -> Segment:
+        """A segment from fresh projections k, v: [N, S, kv_heads, head_dim] (put in cache layout)."""
+        return cls(k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask, shared)
+
 
 def attend(q: jax.Array, segments: list[Segment], scale: float) -> jax.Array:
     """q: [B, T, heads, head_dim] → [B, T, heads, head_dim]."""

@@ -140,9 +140,9 @@ class Decoder(nnx.Module):
         def layer(x, layer_state):
             block = nnx.merge(graph, layer_state)
             q, k, v = self._qkv(block, x, positions)
-            k, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # cache layout
-            attn = attend(q, [Segment(k, v, visible, shared=False)], self._scale)
-            return self._finish_block(block, x, attn), (k, v)
+            segment = Segment.from_projections(k, v, visible)
+            attn = attend(q, [segment], self._scale)
+            return self._finish_block(block, x, attn), (segment.k, segment.v)
 
         x, (k, v) = jax.lax.scan(layer, self._embed(tokens, positions), stacked)
         cache = PromptCache(k=k, v=v, mask=mask, length=mask.sum(-1).astype(jnp.int32))
@@ -168,7 +168,7 @@ class Decoder(nnx.Module):
             segments = [
                 Segment(prompt_k, prompt_v, prompt.mask, shared=True),
                 Segment(cache_k, cache_v, old_visible, shared=False),
-                Segment(k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), new_visible, shared=False),
+                Segment.from_projections(k, v, new_visible),
             ]
             attn = attend(q, segments, self._scale)
             return self._finish_block(block, x, attn), (k, v)

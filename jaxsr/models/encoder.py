@@ -74,7 +74,7 @@ class SelfAttention(nnx.Module):
         q = jnp.einsum("btd,dhk->bthk", x, self.q[...]) + self.q_bias[...]
         k = jnp.einsum("btd,dhk->bthk", x, self.k[...]) + self.k_bias[...]
         v = jnp.einsum("btd,dhk->bthk", x, self.v[...]) + self.v_bias[...]
-        attn = attend(q, [Segment(k, v, visible, shared=False)], self.scale)
+        attn = attend(q, [Segment.from_projections(k, v, visible)], self.scale)
         return jnp.einsum("bthk,hkd->btd", attn, self.o[...]) + self.o_bias[...]
 
 

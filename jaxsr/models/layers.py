@@ -57,9 +57,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
     high_wavelen = old / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
     scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
-    smooth = (old / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)

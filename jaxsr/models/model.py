@@ -38,7 +38,10 @@ def as_token_batch(token_ids: Any, attention_mask: Any = None) -> tuple[jax.Arra
     """Validate a [B, T] integer batch and its 0/1 mask (all ones by default)."""
     tokens = np.asarray(token_ids)
     if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
-        raise TypeError(f"token_ids: expected a non-empty [batch, length] integer array, got {tokens.shape} {tokens.dtype}")
+        raise TypeError(
+            "token_ids: expected a non-empty [batch, length] integer array, "
+            f"got {tokens.shape} {tokens.dtype}"
+        )
     mask = np.ones_like(tokens) if attention_mask is None else np.asarray(attention_mask)
     if mask.shape != tokens.shape:
         raise ValueError(f"attention_mask: expected shape {tokens.shape}, got {mask.shape}")
@@ -58,11 +61,17 @@ class Model:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_module(cls, module: Decoder, *, tokenizer: Any = None, eos_token_ids: tuple[int, ...] = (), name: str = ""):
+    def from_module(
+        cls, module: Decoder, *, tokenizer: Any = None, eos_token_ids: tuple[int, ...] = (), name: str = ""
+    ):
         """Wrap an in-memory NNX decoder (e.g. one you just trained) for use with jaxsr."""
         graph, params = nnx.split(module)
         return cls(
-            config=module.config, graph=graph, params=params, tokenizer=tokenizer, name=name,
+            config=module.config,
+            graph=graph,
+            params=params,
+            tokenizer=tokenizer,
+            name=name,
             eos_token_ids=tuple(eos_token_ids),
         )
 

@@ -31,7 +31,9 @@ class ClassifierReward:
             try:
                 text = tokenizer.apply_chat_template(messages, tokenize=False)
             except Exception as e:
-                raise ValueError(f"reward: the reward model's chat template cannot render the prompt: {e}") from e
+                raise ValueError(
+                    f"reward: the reward model's chat template cannot render the prompt: {e}"
+                ) from e
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(prompt + "\n" + response)["input_ids"]

@@ -49,12 +49,21 @@ def best_of_n(
         per_row = bucket(max_new_tokens)
         prompt_slots = bucket(max(map(len, encoded)))
         if slots < prompt_slots + per_row:
-            raise ValueError(f"memory_budget: {slots} KV slots cannot hold one row ({prompt_slots + per_row})")
+            raise ValueError(
+                f"memory_budget: {slots} KV slots cannot hold one row ({prompt_slots + per_row})"
+            )
         max_rows = max(1, 1 << ((slots - prompt_slots) // per_row).bit_length() - 1)
     t0 = time.perf_counter()
     raw, stats = sample_many(
-        model, encoded, num_samples=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-        stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
+        model,
+        encoded,
+        num_samples=n,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+        max_rows=max_rows,
+        prompt_offset=prompt_offset,
     )
     sample_s = time.perf_counter() - t0
     results = []
@@ -62,12 +71,23 @@ def best_of_n(
         t1 = time.perf_counter()
         forwards_before = reward.token_forwards
         scores, texts = score_rows(
-            model, reward, prompt, ids, [r.tokens for r in rows],
-            np.array([r.logprob for r in rows]), np.array([len(r.tokens) + r.finished for r in rows]),
+            model,
+            reward,
+            prompt,
+            ids,
+            [r.tokens for r in rows],
+            np.array([r.logprob for r in rows]),
+            np.array([len(r.tokens) + r.finished for r in rows]),
         )
         samples = [
-            Sample(token_ids=r.tokens, text=t, score=float(s), finished=r.finished, logprob=r.logprob,
-                   index=r.sample_index)
+            Sample(
+                token_ids=r.tokens,
+                text=t,
+                score=float(s),
+                finished=r.finished,
+                logprob=r.logprob,
+                index=r.sample_index,
+            )
             for r, t, s in zip(rows, texts, scores, strict=True)
         ]
         st["token_forwards"]["reward"] = reward.token_forwards - forwards_before

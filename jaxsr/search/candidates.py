@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxsr.models.model import Model
-from jaxsr.rewards.base import Candidates, Reward
 from jaxsr.results import Sample
+from jaxsr.rewards.base import Candidates, Reward
 
 
 def prompt_text(model: Model, prompt: str | list[int]) -> str:
@@ -43,7 +43,9 @@ def score_rows(
     )
     scores = np.asarray(reward.score(candidates), np.float64) if token_lists else np.zeros(0)
     if scores.shape != (len(token_lists),):
-        raise ValueError(f"reward: {reward.name} returned shape {scores.shape} for {len(token_lists)} responses")
+        raise ValueError(
+            f"reward: {reward.name} returned shape {scores.shape} for {len(token_lists)} responses"
+        )
     return scores, texts
 
 

@@ -8,15 +8,27 @@ import jax
 
 from jaxsr.models.model import Model
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 DEVICE_HEADROOM = 0.9  # share of free accelerator memory the KV cache may take
 
 
 def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).upper() not in _UNITS:
-        raise ValueError(f"memory_budget: cannot read {text!r}; expected e.g. '4GiB', '512MB' or a slot count")
+        raise ValueError(
+            f"memory_budget: cannot read {text!r}; expected e.g. '4GiB', '512MB' or a slot count"
+        )
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
@@ -41,8 +53,10 @@ def budget_slots(memory_budget: int | str | None, model: Model, fallback_slots: 
         if free is not None:
             return int(free * DEVICE_HEADROOM) // slot_bytes(model)
         if fallback_slots is None:
-            raise ValueError("memory_budget: required on CPU (the device reports no free memory); "
-                             "give token slots (int) or bytes ('2GiB')")
+            raise ValueError(
+                "memory_budget: required on CPU (the device reports no free memory); "
+                "give token slots (int) or bytes ('2GiB')"
+            )
         return fallback_slots
     if isinstance(memory_budget, bool):
         raise TypeError("memory_budget: expected an int (token slots), a size string or None")
@@ -52,4 +66,6 @@ def budget_slots(memory_budget: int | str | None, model: Model, fallback_slots: 
         return memory_budget
     if isinstance(memory_budget, str):
         return parse_bytes(memory_budget) // slot_bytes(model)
-    raise TypeError(f"memory_budget: expected an int, a size string or None, got {type(memory_budget).__name__}")
+    raise TypeError(
+        f"memory_budget: expected an int, a size string or None, got {type(memory_budget).__name__}"
+    )

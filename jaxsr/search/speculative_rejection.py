@@ -80,8 +80,15 @@ def _check_rate(rejection_rate: Any) -> float:
 class _Plan:
     """Memory plan for one prompt: first batch, ladder, and each rung's row-cache length."""
 
-    def __init__(self, budget: int, prompt_slots: int, max_new_tokens: int, n: int | None,
-                 rate: float, min_segment: int):
+    def __init__(
+        self,
+        budget: int,
+        prompt_slots: int,
+        max_new_tokens: int,
+        n: int | None,
+        rate: float,
+        min_segment: int,
+    ):
         self.budget, self.prompt_slots = budget, prompt_slots
         self.max_slots = bucket(max_new_tokens)
         room = budget - prompt_slots
@@ -100,7 +107,9 @@ class _Plan:
 
     def capacity(self, rows: int) -> int:
         room = (self.budget - self.prompt_slots) // rows
-        return min(self.max_slots, max(SLOT_ALIGN, room // SLOT_ALIGN * SLOT_ALIGN) if room >= SLOT_ALIGN else room)
+        return min(
+            self.max_slots, max(SLOT_ALIGN, room // SLOT_ALIGN * SLOT_ALIGN) if room >= SLOT_ALIGN else room
+        )
 
     def next_rung(self, survivors: int, generated: int) -> int | None:
         """Smallest rung ≥ survivors whose cache can grow past `generated`; else the widest that can."""
@@ -153,16 +162,39 @@ def speculative_rejection(
         budget = budget_slots(memory_budget, model, fallback_slots=fallback)
         plan = _Plan(budget, prompt_slots, max_new_tokens, n, rate, min_first_segment)
         results.append(
-            _one_prompt(model, reward, prompt, ids, plan, max_new_tokens, sampling, seed, rate, rule,
-                        decision_interval, stop_token_ids, prompt_offset + i)
+            _one_prompt(
+                model,
+                reward,
+                prompt,
+                ids,
+                plan,
+                max_new_tokens,
+                sampling,
+                seed,
+                rate,
+                rule,
+                decision_interval,
+                stop_token_ids,
+                prompt_offset + i,
+            )
         )
     return results
 
 
 def _one_prompt(
-    model: Model, reward: Reward, prompt: Any, ids: list[int], plan: _Plan, max_new_tokens: int,
-    sampling: SamplingConfig, seed: int, rate: float, rule: Rule, interval: int | None,
-    stop_token_ids: Sequence[int], prompt_id: int,
+    model: Model,
+    reward: Reward,
+    prompt: Any,
+    ids: list[int],
+    plan: _Plan,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    seed: int,
+    rate: float,
+    rule: Rule,
+    interval: int | None,
+    stop_token_ids: Sequence[int],
+    prompt_id: int,
 ) -> Result:
     timings = dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
     t_start = time.perf_counter()
@@ -175,10 +207,17 @@ def _one_prompt(
 
     rows = plan.ladder[0]
     state = init_state(
-        last_logits, prompt_cache, samples_per_prompt=rows, capacity=plan.max_slots,
-        cache_capacity=plan.capacity(rows), sampling=sampling, seed=np.uint32(seed),
-        prompt_ids=jnp.asarray([prompt_id], jnp.int32), sample_ids=jnp.arange(rows, dtype=jnp.int32),
-        alive=jnp.ones((rows,), bool), max_new_tokens=jnp.full((rows,), max_new_tokens, jnp.int32),
+        last_logits,
+        prompt_cache,
+        samples_per_prompt=rows,
+        capacity=plan.max_slots,
+        cache_capacity=plan.capacity(rows),
+        sampling=sampling,
+        seed=np.uint32(seed),
+        prompt_ids=jnp.asarray([prompt_id], jnp.int32),
+        sample_ids=jnp.arange(rows, dtype=jnp.int32),
+        alive=jnp.ones((rows,), bool),
+        max_new_tokens=jnp.full((rows,), max_new_tokens, jnp.int32),
         stop_ids=jnp.asarray(stop_id_matrix(model, rows, stop_token_ids)),
     )
     kept_finished: list[Sample] = []  # finished responses that survived their decision point
@@ -192,20 +231,42 @@ def _one_prompt(
             pause = min(pause, generated + interval)
         t0 = time.perf_counter()
         live = int(np.asarray(state.alive).sum())
-        state = decode_loop(model.graph, model.params, state, prompt_cache, sampling=sampling,
-                            pause_at=jnp.asarray(pause, jnp.int32))
-        host = jax.device_get((state.tokens, state.num_generated, state.finished, state.done,
-                               state.alive, state.logprob_sum, state.sample_id, state.steps))
+        state = decode_loop(
+            model.graph,
+            model.params,
+            state,
+            prompt_cache,
+            sampling=sampling,
+            pause_at=jnp.asarray(pause, jnp.int32),
+        )
+        host = jax.device_get(
+            (
+                state.tokens,
+                state.num_generated,
+                state.finished,
+                state.done,
+                state.alive,
+                state.logprob_sum,
+                state.sample_id,
+                state.steps,
+            )
+        )
         buf, num, finished, done, alive, logprob, sample_id, steps = host
         decode_s = time.perf_counter() - t0
         timings["decode_s"] += decode_s
         batch = len(alive)
         steps_before = sum(r["steps"] for r in round_log)
-        round_log.append({
-            "start_token": generated, "end_token": int(num[alive].max(initial=generated)),
-            "batch_size": batch, "live_rows": live, "steps": int(steps) - steps_before,
-            "kv_bytes": (plan.prompt_slots + batch * capacity) * slot_bytes(model), "decode_s": decode_s,
-        })
+        round_log.append(
+            {
+                "start_token": generated,
+                "end_token": int(num[alive].max(initial=generated)),
+                "batch_size": batch,
+                "live_rows": live,
+                "steps": int(steps) - steps_before,
+                "kv_bytes": (plan.prompt_slots + batch * capacity) * slot_bytes(model),
+                "decode_s": decode_s,
+            }
+        )
         generator_forwards += (int(steps) - steps_before) * batch
         generated = int(num[alive].max(initial=generated))
 
@@ -213,10 +274,18 @@ def _one_prompt(
         t1 = time.perf_counter()
         live_rows = np.flatnonzero(alive)
         token_lists = [buf[r, : num[r] - finished[r]].tolist() for r in live_rows]
-        scores, texts = score_rows(model, reward, prompt, ids, token_lists, logprob[live_rows], num[live_rows])
+        scores, texts = score_rows(
+            model, reward, prompt, ids, token_lists, logprob[live_rows], num[live_rows]
+        )
         round_samples = [
-            Sample(token_ids=t, text=x, score=float(s), finished=bool(finished[r]), logprob=float(logprob[r]),
-                   index=int(sample_id[r]))
+            Sample(
+                token_ids=t,
+                text=x,
+                score=float(s),
+                finished=bool(finished[r]),
+                logprob=float(logprob[r]),
+                index=int(sample_id[r]),
+            )
             for r, t, x, s in zip(live_rows, token_lists, texts, scores, strict=True)
         ]
         timings["scoring_s"] += time.perf_counter() - t1
@@ -231,14 +300,18 @@ def _one_prompt(
         survivors = [int(live_rows[j]) for j in order if in_round[j] and not finished[live_rows[j]]]
         rung = plan.next_rung(len(survivors), generated)
         if rung is None or not survivors:  # memory cannot hold any row further: stop here
-            final = kept_finished + [s for s, k in zip(round_samples, in_round, strict=True) if k and not s.finished]
+            final = kept_finished + [
+                s for s, k in zip(round_samples, in_round, strict=True) if k and not s.finished
+            ]
             break
         forced += max(0, len(survivors) - rung)
         survivors = sorted(survivors[:rung])
         t2 = time.perf_counter()
         index = np.array(survivors + [survivors[0]] * (rung - len(survivors)), np.int32)
         alive_next = np.arange(rung) < len(survivors)
-        state = compact(state, jnp.asarray(index), jnp.asarray(alive_next), cache_capacity=plan.capacity(rung))
+        state = compact(
+            state, jnp.asarray(index), jnp.asarray(alive_next), cache_capacity=plan.capacity(rung)
+        )
         timings["compaction_s"] += time.perf_counter() - t2
 
     wall = time.perf_counter() - t_start
