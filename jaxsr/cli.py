@@ -12,12 +12,14 @@ from jaxsr.jobs.methods import build_solver
 from jaxsr.jobs.runner import run_job
 
 DEMO_OVERRIDES = [
-    "method=generate",
+    "method=speculative_rejection",
     "model=smollm2",
+    "reward=minilm",
     "data=alpaca_farm_100",
     "limit=2",
     "max_new_tokens=48",
-    "temperature=0",
+    "rejection_rate=0.5",
+    "memory_budget=1024",
     "output=out/demo.jsonl",
 ]
 
@@ -33,7 +35,10 @@ def demo(overrides: list[str]) -> None:
     for line in path.read_text().splitlines()[1:]:
         record = json.loads(line)
         best = record["best"] or record["samples"][0]
+        stats = record["stats"]
         print(f"\n### {record['prompt'][:200]}\n{best['text']}")
+        if "batch_sizes" in stats:
+            print(f"[live rows per round {stats['batch_sizes']}, reward {best['score']:.3f}, {stats['wall_s']:.1f} s]")
     print(f"\nrecords: {path}")
 
 

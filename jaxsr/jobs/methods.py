@@ -1,4 +1,4 @@
-"""Turn a `JobConfig` into loaded models and a `solve(prompts, first_index)` function."""
+"""Turn a `JobConfig` into loaded models and a `solve(prompts, first_index) -> records` function."""
 
 from __future__ import annotations
 
@@ -8,13 +8,17 @@ from typing import Any
 from jaxsr.decoding.generate import generate
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import JobConfig
-from jaxsr.loading.api import load_model
+from jaxsr.loading.api import load_model, load_reward_model
 from jaxsr.models.model import Model
+from jaxsr.rewards import Reward, SelfLikelihood, as_reward
+from jaxsr.search.best_of_n import best_of_n
+from jaxsr.search.speculative_rejection import speculative_rejection
 
-EMBEDDED_MODELS = {"smollm2"}
+Solver = Callable[[list[str], int], list[dict[str, Any]]]
 
 
 def resolve_model(name: str, dtype: str) -> Model:
+    """`smollm2` names the embedded SmolLM2-135M-Instruct; anything else goes to `load_model`."""
     if name == "smollm2":
         from jaxsr.loading.gguf import smollm2_path
 
@@ -22,25 +26,52 @@ def resolve_model(name: str, dtype: str) -> Model:
     return load_model(name, dtype=dtype)
 
 
-def build_solver(config: JobConfig) -> tuple[Callable[[list[str], int], list[dict[str, Any]]], int]:
+def resolve_reward(name: str | None, dtype: str) -> Reward:
+    """`self_likelihood`, `minilm` (the embedded all-MiniLM-L6-v2), or a reward-model checkpoint."""
+    if name is None:
+        raise ValueError(
+            "reward: best_of_n and speculative_rejection need a reward (self_likelihood, minilm, or a path)"
+        )
+    if name in ("self_likelihood", "neg_perplexity"):
+        return SelfLikelihood("mean_logprob" if name == "self_likelihood" else "neg_perplexity")
+    if name == "minilm":
+        from jaxsr.loading.encoder import load_encoder, minilm_path
+
+        return as_reward(load_encoder(minilm_path(), dtype=dtype))
+    return as_reward(load_reward_model(name, dtype=dtype))
+
+
+def build_solver(config: JobConfig) -> tuple[Solver, int]:
     """(solve, prompts per call) for the job's method."""
     model = resolve_model(config.model, config.dtype)
     sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+    common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat)
     if config.method == "generate":
+        run: Callable[..., list] = lambda prompts, **kw: generate(
+            model, prompts, num_samples=config.num_samples, **kw
+        )
         per_call = max(1, 64 // config.num_samples)
-
-        def solve(prompts: list[str], first: int) -> list[dict[str, Any]]:
-            results = generate(
-                model,
-                prompts,
-                max_new_tokens=config.max_new_tokens,
-                sampling=sampling,
-                num_samples=config.num_samples,
-                seed=config.seed,
-                chat=config.chat,
-                prompt_offset=first,
+    else:
+        reward = resolve_reward(config.reward, config.dtype)
+        if config.method == "best_of_n":
+            if config.n is None:
+                raise ValueError("n: best_of_n needs n")
+            run = lambda prompts, **kw: best_of_n(
+                model, reward, prompts, n=config.n, memory_budget=config.memory_budget, **kw
             )
-            return [r.to_dict() for r in results]
+        else:
+            run = lambda prompts, **kw: speculative_rejection(
+                model,
+                reward,
+                prompts,
+                n=config.n,
+                rejection_rate=config.rejection_rate,
+                memory_budget=config.memory_budget,
+                **kw,
+            )
+        per_call = 1
 
-        return solve, per_call
-    raise ValueError(f"method: {config.method!r} is not available in this version")
+    def solve(prompts: list[str], first: int) -> list[dict[str, Any]]:
+        return [r.to_dict() for r in run(prompts, prompt_offset=first, **common)]
+
+    return solve, per_call
