@@ -124,12 +124,18 @@ def main() -> None:
     parser.add_argument("--data", default="alpaca_farm_100")
     parser.add_argument("--name", default="speculative_rejection")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--bucket", type=int, default=None, help="only prompts of this length bucket (bounds compiles)"
+    )
     args = parser.parse_args()
 
     lm = jaxsr.load_model(smollm2_path())
     reward = resolve_reward(args.reward, "float32")
     sampling = jaxsr.SamplingConfig(temperature=1.0, top_k=50, top_p=1.0)
-    prompts = read_prompts(args.data, args.prompts)
+    prompts = read_prompts(args.data)
+    if args.bucket is not None:
+        prompts = [p for p in prompts if bucket(len(encode_prompts(lm, [p])[0])) == args.bucket]
+    prompts = prompts[: args.prompts]
     base_n, top_n = min(args.n), max(args.n)
     common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
     per_prompt: list[dict[str, Any]] = []

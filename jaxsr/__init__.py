@@ -1,8 +1,10 @@
 """jaxsr: inference-time alignment decoding in JAX (Best-of-N, Speculative Rejection, speculative and
 contrastive decoding)."""
 
+from jaxsr.decoding.contrastive import contrastive_decode
 from jaxsr.decoding.generate import generate
 from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.decoding.speculative import speculative_contrastive_decode, speculative_decode
 from jaxsr.loading.api import load_model, load_reward_model
 from jaxsr.loading.encoder import load_encoder
 from jaxsr.models.encoder import EncoderModel
@@ -19,9 +21,12 @@ __all__ = [
     "Sample",
     "SamplingConfig",
     "best_of_n",
+    "contrastive_decode",
     "generate",
     "load_encoder",
     "load_model",
     "load_reward_model",
+    "speculative_contrastive_decode",
+    "speculative_decode",
     "speculative_rejection",
 ]

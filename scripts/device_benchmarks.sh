@@ -7,11 +7,11 @@ SITE=/tmp/site
 mkdir -p "$SITE" /tmp/parts
 cp .gpu/part0* /tmp/parts/ 2>/dev/null || true
 cat /tmp/parts/part0* | tar -x -C "$SITE"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/gguf-*.whl
 export PYTHONPATH="$SITE:$PWD" JAXSR_DATA_DIR="$PWD/.gpu/data" JAXSR_CACHE_DIR=off PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import jax, flax, transformers; print(jax.__version__, jax.devices(), flax.__version__, transformers.__version__)"
 timeout "${SR_TIMEOUT:-330}" python3 -m benchmarks.bench_speculative_rejection --name speculative_rejection_h200 ${SR_ARGS:-} 2>&1 | grep -v Warning
-timeout "${GEN_TIMEOUT:-120}" python3 -m benchmarks.bench_generate --skip-hf --name generate_h200 ${GEN_ARGS:-} 2>&1 | grep -v Warning
-cp benchmarks/results/*h200* "$OUT"/ 2>/dev/null
+[ "${SKIP_GEN:-0}" = 1 ] || timeout "${GEN_TIMEOUT:-120}" python3 -m benchmarks.bench_generate --skip-hf --name generate_h200 ${GEN_ARGS:-} 2>&1 | grep -v Warning
+cp benchmarks/results/speculative_rejection_h200* "$OUT"/ 2>/dev/null
 ls -la "$OUT"

@@ -1,0 +1,182 @@
+"""Contrastive decoding: sample from the expert-minus-amateur contrast under a plausibility cutoff.
+
+Scores, in float32, on the plausible tokens {x : p_e(x) ≥ α·max p_e} (−∞ elsewhere):
+
+- O'Brien & Lewis (arXiv 2309.09117, the default): (1+β)·z_e − β·z_a;
+- Li et al. (arXiv 2210.15097): log p_e − (1/τ)·log p_a.
+
+Both are computed from log-softmaxed logits: log p = z − logsumexp(z) shifts each row by a constant, which
+changes neither the softmax, nor top-k/top-p, nor the argmax, and keeps large logits well conditioned.
+The sampling temperature, top-k and top-p apply to the scores afterwards. The expert and the amateur
+step together, one token per step; the amateur's row cache is rolled forward with the expert's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsr.decoding import pair
+from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_sampling, check_seed, to_sample
+from jaxsr.decoding.pair import Contrast, Method, SpeculativeState
+from jaxsr.decoding.prompts import check_positive_int, encode_prompts
+from jaxsr.decoding.sampler import _choose, _record
+from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.models.cache import PromptCache
+from jaxsr.models.layers import MASKED
+from jaxsr.models.model import Model
+from jaxsr.results import Result
+
+ContrastKind = Literal["obrien", "li"]
+DEFAULT_SAMPLING = SamplingConfig()
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value}")
+    return float(value)
+
+
+def make_contrast(
+    alpha: float = 0.1, beta: float = 0.5, *, contrast: ContrastKind = "obrien", tau: float = 1.0
+) -> Contrast:
+    """Validated contrast weights. α ∈ [0, 1] (0 keeps every token, 1 only the expert's argmax);
+    β ≥ 0 (O'Brien & Lewis; β = 0 is the expert alone); τ > 0 (Li et al.'s amateur temperature)."""
+    alpha = _number("alpha", alpha)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha: expected a value in [0, 1], got {alpha}")
+    beta = _number("beta", beta)
+    if beta < 0:
+        raise ValueError(f"beta: expected a value >= 0, got {beta}")
+    tau = _number("tau", tau)
+    if tau <= 0:
+        raise ValueError(f"tau: expected a value > 0, got {tau}")
+    if contrast == "obrien":
+        weights = (1.0 + beta, beta)
+    elif contrast == "li":
+        weights = (1.0, 1.0 / tau)
+    else:
+        raise ValueError(f"contrast: expected 'obrien' or 'li', got {contrast!r}")
+    return Contrast(
+        expert_weight=jnp.float32(weights[0]),
+        amateur_weight=jnp.float32(weights[1]),
+        log_alpha=jnp.float32(math.log(alpha) if alpha > 0 else -math.inf),
+    )
+
+
+def contrastive_scores(expert_logits: jax.Array, amateur_logits: jax.Array, contrast: Contrast) -> jax.Array:
+    """float32 contrastive scores [..., V]; implausible tokens get a large negative value."""
+    lp_e = jax.nn.log_softmax(expert_logits.astype(jnp.float32), axis=-1)
+    lp_a = jax.nn.log_softmax(amateur_logits.astype(jnp.float32), axis=-1)
+    plausible = lp_e >= lp_e.max(axis=-1, keepdims=True) + contrast.log_alpha
+    scores = contrast.expert_weight * lp_e - contrast.amateur_weight * lp_a
+    return jnp.where(plausible, scores, MASKED)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContrastiveDecoding(Method):
+    """One token per step. With `use_amateur=False` it is plain sampling from the target alone (the
+    same random streams as `jaxsr.generate`): the baseline speculative decoding is timed against."""
+
+    use_amateur: bool = True
+
+    def target_scores(
+        self, contrast: Contrast, target_logits: jax.Array, draft_logits: jax.Array
+    ) -> jax.Array:
+        if not self.use_amateur:
+            return target_logits.astype(jnp.float32)
+        return contrastive_scores(target_logits, draft_logits, contrast)
+
+    def step(
+        self,
+        graphs: pair.Graphs,
+        params: tuple[nnx.State, nnx.State],
+        state: SpeculativeState,
+        prompts: tuple[PromptCache, PromptCache],
+        contrast: Contrast,
+        pause_at: jax.Array | int,
+    ) -> SpeculativeState:
+        base = state.base
+        active = ~base.done & (base.num_generated < pause_at)
+        index, last = pair.last_tokens(state)
+        z_e, target_rows = pair.forward(
+            graphs[0], params[0], last[:, None], index[:, None], prompts[0], base.rows
+        )
+        z_e = z_e[:, 0]
+        draft_rows, draft_steps = state.draft_rows, state.draft_steps
+        if self.use_amateur:
+            z_a, draft_rows = pair.forward(
+                graphs[1], params[1], last[:, None], index[:, None], prompts[1], draft_rows
+            )
+            z_a, draft_steps = z_a[:, 0], draft_steps + 1
+        else:
+            z_a = z_e
+        scores = self.target_scores(contrast, z_e, z_a)
+        tokens, _ = _choose(
+            scores, (base.seed, base.prompt_id, base.sample_id, base.num_generated), self.sampling
+        )
+        base = _record(base.replace(rows=target_rows), tokens, pair.token_logprob(z_e, tokens), active)
+        state = pair.with_lengths(state, base.replace(steps=base.steps + 1), draft_rows)
+        return state.replace(draft_steps=draft_steps, target_calls=state.target_calls + active)
+
+
+def contrastive_decode(
+    expert: Model,
+    amateur: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    alpha: float = 0.1,
+    beta: float = 0.5,
+    max_new_tokens: int,
+    sampling: SamplingConfig = DEFAULT_SAMPLING,
+    num_samples: int = 1,
+    seed: int = 0,
+    contrast: ContrastKind = "obrien",
+    tau: float = 1.0,
+    chat: bool | None = None,
+    stop_token_ids: Sequence[int] = (),
+    max_rows: int = DEFAULT_MAX_ROWS,
+    prompt_offset: int = 0,
+) -> list[Result]:
+    """Sample `num_samples` responses per prompt from the contrastive distribution (see the module
+    docstring); greedy when `sampling.temperature == 0`. Prompts are encoded with the expert's
+    tokenizer and stop on the expert's EOS ids (plus `stop_token_ids`). `Sample.logprob` is the
+    expert's own log-probability of the tokens; `stats["token_forwards"]` has "expert" and "amateur"."""
+    pair.check_pair(expert, amateur, ("expert", "amateur"))
+    weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
+    sampling = check_sampling(sampling)
+    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+    num_samples = check_positive_int("num_samples", num_samples)
+    max_rows = check_positive_int("max_rows", max_rows)
+    seed = check_seed(seed)
+    encoded = encode_prompts(expert, prompts, chat=chat)
+    pair.check_pair_context(expert, amateur, encoded, max_new_tokens)
+    t0 = time.perf_counter()
+    run = pair.decode_pairs(
+        ContrastiveDecoding(sampling),
+        weights,
+        expert,
+        amateur,
+        encoded,
+        roles=("expert", "amateur"),
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+        max_rows=max_rows,
+        prompt_offset=prompt_offset,
+    )
+    wall = (time.perf_counter() - t0) / len(encoded)
+    return [
+        Result(prompt=prompt, samples=[to_sample(expert, r) for r in rows], stats={"wall_s": wall, **st})
+        for prompt, rows, st in zip(prompts, run.samples, run.stats, strict=True)
+    ]
