@@ -38,7 +38,8 @@ def demo(overrides: list[str]) -> None:
         stats = record["stats"]
         print(f"\n### {record['prompt'][:200]}\n{best['text']}")
         if "batch_sizes" in stats:
-            print(f"[live rows per round {stats['batch_sizes']}, reward {best['score']:.3f}, {stats['wall_s']:.1f} s]")
+            rows, score, wall = stats["batch_sizes"], best["score"], stats["wall_s"]
+            print(f"[live rows per round {rows}, reward {score:.3f}, {wall:.1f} s]")
     print(f"\nrecords: {path}")
 
 
