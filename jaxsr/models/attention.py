@@ -36,24 +36,33 @@ class Segment:
 
 
 def attend(q: jax.Array, segments: list[Segment], scale: float) -> jax.Array:
-    """q: [B, T, heads, head_dim] → [B, T, heads, head_dim]."""
+    """q: [B, T, heads, head_dim] → [B, T, heads, head_dim].
+
+    Queries are laid out per KV head as [B, kv_heads, T·R, head_dim] (R query heads share a KV head), so
+    every product is a plain batched matmul over (row, kv head); a degenerate T=1 axis inside the
+    contraction makes XLA:CPU several times slower."""
     B, T, H, D = q.shape
     K = segments[0].k.shape[1]
-    q = q.reshape(B, T, K, H // K, D)
+    R = H // K
+    M = T * R
+    rows = q.reshape(B, T, K, R, D).transpose(0, 2, 1, 3, 4).reshape(B, K, M, D)
     scores = []
     for seg in segments:
+        S = seg.k.shape[-1]
         if seg.shared:
             P = seg.k.shape[0]
-            qp = q.reshape(P, B // P, T, K, H // K, D)
-            s = jnp.einsum("pgtkrd,pkds->pgkrts", qp, seg.k, preferred_element_type=jnp.float32)
-            s = jnp.where(seg.mask[:, None, None, None, None, :], s * scale, MASKED)
-            s = s.reshape(B, K, H // K, T, -1)
+            grouped = _to_prompt_groups(rows, P)
+            s = jnp.einsum("pkmd,pkds->pkms", grouped, seg.k, preferred_element_type=jnp.float32)
+            s = jnp.where(seg.mask[:, None, None, :], s * scale, MASKED)
+            s = _from_prompt_groups(s, B)
         else:
-            s = jnp.einsum("btkrd,bkds->bkrts", q, seg.k, preferred_element_type=jnp.float32)
-            s = jnp.where(seg.mask[:, None, None, :, :], s * scale, MASKED)
+            s = jnp.einsum("bkmd,bkds->bkms", rows, seg.k, preferred_element_type=jnp.float32)
+            n = seg.mask.shape[0]
+            mask = jnp.broadcast_to(seg.mask[:, None, :, None, :], (n, 1, T, R, S)).reshape(n, 1, M, S)
+            s = jnp.where(mask, s * scale, MASKED)
         scores.append(s)
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-    out = jnp.zeros((B, T, K, H // K, D), jnp.float32)
+    out = jnp.zeros((B, K, M, D), jnp.float32)
     start = 0
     for seg in segments:
         S = seg.k.shape[-1]
@@ -61,9 +70,25 @@ def attend(q: jax.Array, segments: list[Segment], scale: float) -> jax.Array:
         start += S
         if seg.shared:
             P = seg.k.shape[0]
-            p = p.reshape(P, B // P, K, H // K, T, S)
-            o = jnp.einsum("pgkrts,pksd->pgtkrd", p, seg.v, preferred_element_type=jnp.float32)
-            out = out + o.reshape(B, T, K, H // K, D)
+            o = jnp.einsum(
+                "pkms,pksd->pkmd", _to_prompt_groups(p, P), seg.v, preferred_element_type=jnp.float32
+            )
+            out = out + _from_prompt_groups(o, B)
         else:
-            out = out + jnp.einsum("bkrts,bksd->btkrd", p, seg.v, preferred_element_type=jnp.float32)
+            out = out + jnp.einsum("bkms,bksd->bkmd", p, seg.v, preferred_element_type=jnp.float32)
+    out = out.reshape(B, K, T, R, D).transpose(0, 2, 1, 3, 4)
     return out.reshape(B, T, H, D).astype(q.dtype)
+
+
+def _to_prompt_groups(x: jax.Array, prompts: int) -> jax.Array:
+    """[B, K, M, X] with rows grouped by prompt → [P, K, G·M, X] (each prompt's rows side by side)."""
+    B, K, M, X = x.shape
+    G = B // prompts
+    return x.reshape(prompts, G, K, M, X).transpose(0, 2, 1, 3, 4).reshape(prompts, K, G * M, X)
+
+
+def _from_prompt_groups(x: jax.Array, rows: int) -> jax.Array:
+    """Inverse of `_to_prompt_groups`."""
+    P, K, GM, X = x.shape
+    G = rows // P
+    return x.reshape(P, K, G, GM // G, X).transpose(0, 2, 1, 3, 4).reshape(rows, K, GM // G, X)
