@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsr.decoding import pair
-from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_sampling, check_seed, to_sample
+from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_decode_args, to_sample
 from jaxsr.decoding.pair import Contrast, Method, SpeculativeState
-from jaxsr.decoding.prompts import check_positive_int, encode_prompts
+from jaxsr.decoding.prompts import encode_prompts
 from jaxsr.decoding.sampler import _choose, _record
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.cache import PromptCache
@@ -153,11 +153,9 @@ def contrastive_decode(
     expert's own log-probability of the tokens; `stats["token_forwards"]` has "expert" and "amateur"."""
     pair.check_pair(expert, amateur, ("expert", "amateur"))
     weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
-    sampling = check_sampling(sampling)
-    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
-    num_samples = check_positive_int("num_samples", num_samples)
-    max_rows = check_positive_int("max_rows", max_rows)
-    seed = check_seed(seed)
+    sampling, max_new_tokens, num_samples, max_rows, seed = check_decode_args(
+        sampling, max_new_tokens, num_samples, max_rows, seed
+    )
     encoded = encode_prompts(expert, prompts, chat=chat)
     pair.check_pair_context(expert, amateur, encoded, max_new_tokens)
     t0 = time.perf_counter()

@@ -42,6 +42,19 @@ def check_seed(seed: Any) -> int:
     return int(seed)
 
 
+def check_decode_args(
+    sampling: Any, max_new_tokens: Any, num_samples: Any, max_rows: Any, seed: Any
+) -> tuple[SamplingConfig, int, int, int, int]:
+    """The arguments every decoding call shares, validated (errors name the argument)."""
+    return (
+        check_sampling(sampling),
+        check_positive_int("max_new_tokens", max_new_tokens),
+        check_positive_int("num_samples", num_samples),
+        check_positive_int("max_rows", max_rows),
+        check_seed(seed),
+    )
+
+
 def stop_id_matrix(model: Model, rows: int, extra: Sequence[int]) -> np.ndarray:
     ids = list(dict.fromkeys([*model.eos_token_ids, *extra]))
     width = bucket(len(ids), 1) if ids else 1
@@ -163,11 +176,9 @@ def generate(
     larger job, so split or resumed jobs draw the same random streams as one whole call."""
     if not isinstance(model, Model):
         raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
-    sampling = check_sampling(sampling)
-    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
-    num_samples = check_positive_int("num_samples", num_samples)
-    max_rows = check_positive_int("max_rows", max_rows)
-    seed = check_seed(seed)
+    sampling, max_new_tokens, num_samples, max_rows, seed = check_decode_args(
+        sampling, max_new_tokens, num_samples, max_rows, seed
+    )
     encoded = encode_prompts(model, prompts, chat=chat)
     check_context(model, encoded, max_new_tokens)
     t0 = time.perf_counter()

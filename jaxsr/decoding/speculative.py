@@ -45,7 +45,7 @@ from jaxsr.decoding.contrastive import (
     contrastive_scores,
     make_contrast,
 )
-from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_sampling, check_seed, to_sample
+from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_decode_args, to_sample
 from jaxsr.decoding.pair import Contrast, Method, SpeculativeState, probabilities
 from jaxsr.decoding.prompts import check_positive_int, encode_prompts
 from jaxsr.decoding.sampler import _record, row_keys
@@ -205,11 +205,9 @@ def _speculative(
     measure_cost: bool,
 ) -> list[Result]:
     gamma = check_positive_int("gamma", gamma)
-    sampling = check_sampling(sampling)
-    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
-    num_samples = check_positive_int("num_samples", num_samples)
-    max_rows = check_positive_int("max_rows", max_rows)
-    seed = check_seed(seed)
+    sampling, max_new_tokens, num_samples, max_rows, seed = check_decode_args(
+        sampling, max_new_tokens, num_samples, max_rows, seed
+    )
     encoded = encode_prompts(target, prompts, chat=chat)
     pair.check_pair_context(target, draft, encoded, max_new_tokens)
     contrastive = contrast is not None
