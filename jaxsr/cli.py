@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--no-progress", action="store_true")
     demo_parser = commands.add_parser("demo", help="run the embedded default job")
     demo_parser.add_argument("overrides", nargs="*", metavar="key=value")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    unknown = [item for item in extra if "=" not in item or item.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extra  # key=value items given after an option
     try:
         if args.command == "run":
             print(run(args.config, args.overrides, progress=not args.no_progress))

@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,30 @@ class JobConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
+        hints = typing.get_type_hints(JobConfig)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            allowed = typing.get_args(hints[field.name]) or (hints[field.name],)
+            if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, field.name, float(value))  # 1 and 1.0 are the same job
+                continue
+            if not any(_is_instance(value, t) for t in allowed):
+                names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+                raise ValueError(f"{field.name}: expected {names}, got {value!r}")
+        for name in ("limit", "n"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
 
     def fingerprint(self) -> str:
         """Identifies the job's content (everything but where it is written)."""
         content = {k: v for k, v in dataclasses.asdict(self).items() if k != "output"}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _is_instance(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def _parse_value(text: str) -> Any:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxsr.decoding.generate import generate
+from jaxsr.decoding.prompts import check_positive_int
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import JobConfig
 from jaxsr.loading.api import load_model, load_reward_model
@@ -47,6 +48,7 @@ def build_solver(config: JobConfig) -> tuple[Solver, int]:
     sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat)
     if config.method == "generate":
+        check_positive_int("num_samples", config.num_samples)
         run: Callable[..., list] = lambda prompts, **kw: generate(
             model, prompts, num_samples=config.num_samples, **kw
         )

@@ -60,12 +60,9 @@ class JsonlOutput:
         self.path = Path(path)
         self.fingerprint = config.fingerprint()
         self.done: set[int] = set()
+        self.header = {"jaxsr_job": self.fingerprint, "config": dataclasses.asdict(config)}
         if self.path.exists() and self.path.stat().st_size:
             self._resume()
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            header = {"jaxsr_job": self.fingerprint, "config": dataclasses.asdict(config)}
-            self._append(header)
 
     def _resume(self) -> None:
         raw = self.path.read_bytes()
@@ -94,6 +91,11 @@ class JsonlOutput:
             os.fsync(f.fileno())
 
     def write(self, index: int, record: dict[str, Any]) -> None:
+        """Append one record; the header goes first, with the first record (a job that fails before
+        producing anything leaves no file behind)."""
+        if not self.path.exists() or not self.path.stat().st_size:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._append(self.header)
         self._append({"index": index, **record})
         self.done.add(index)
 

@@ -45,7 +45,8 @@ class ClassifierReward:
         scores = []
         for start in range(0, len(encoded), self.batch_size):
             chunk = encoded[start : start + self.batch_size]
-            rows, length = bucket(len(chunk), 1), bucket(max(map(len, chunk)))
+            rows = bucket(len(chunk), 1)
+            length = min(bucket(max(map(len, chunk))), self.model.config.max_position_embeddings)
             tokens, mask = left_pad(chunk, rows, length)
             mask[len(chunk) :, -1] = 1  # padding rows score one pad token instead of nothing
             self.token_forwards += rows * length

@@ -1,0 +1,377 @@
+"""Dataset-generation jobs and the `jaxsr` command: config parsing, JSONL output, resume after a kill,
+refusal of foreign outputs and bad values, and Best-of-N / SR jobs, on a tiny checkpoint with a
+byte-level tokenizer and a chat template."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import hf_fixtures as H
+import pytest
+import torch
+import transformers
+import yaml
+
+from jaxsr.cli import DEMO_OVERRIDES, main
+from jaxsr.jobs.config import JobConfig, load_job_config
+from jaxsr.jobs.runner import find_dataset
+
+PROMPTS = ["Name a color.", "Say hi.", "Count to three.", "Pick a fruit."]
+SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """Byte-level BPE without merges (259 ids: 3 specials + 256 bytes) and a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIALS)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama checkpoint (safetensors) with the byte tokenizer: what `model=` points at."""
+    tokenizer = byte_tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    H._randomize(model, seed=21)
+    directory = tmp_path_factory.mktemp("byte-llama")
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("data")
+    as_json, as_jsonl = root / "prompts.json", root / "prompts.jsonl"
+    as_json.write_text(json.dumps([{"prompt": p, "id": i} for i, p in enumerate(PROMPTS)]))
+    as_jsonl.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS) + "\n")
+    return {"json": as_json, "jsonl": as_jsonl}
+
+
+@pytest.fixture
+def job(model_dir, data, tmp_path):
+    """A generate job's YAML file; returns (config path, output path)."""
+    output = tmp_path / "out" / "job.jsonl"
+    config = {
+        "method": "generate",
+        "model": str(model_dir),
+        "data": str(data["json"]),
+        "output": str(output),
+        "max_new_tokens": 8,
+        "num_samples": 2,
+        "seed": 0,
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, output
+
+
+def cli(*argv: str) -> int:
+    return main([argv[0], *argv[1:], "--no-progress"] if argv[0] == "run" else list(argv))
+
+
+def read_jsonl(path: Path) -> tuple[dict, list[dict]]:
+    header, *records = [json.loads(line) for line in path.read_text().splitlines()]
+    return header, records
+
+
+def without_stats(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "stats"}
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+def test_yaml_and_typed_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("method: best_of_n\nreward: self_likelihood\nn: 4\ntemperature: 0.7\nlimit: 10\n")
+    config = load_job_config(path, ["limit=3", "top_p=0.9", "chat=false", "memory_budget=2GiB", "seed=5"])
+    assert (config.method, config.reward, config.n, config.temperature) == (
+        "best_of_n",
+        "self_likelihood",
+        4,
+        0.7,
+    )
+    assert config.limit == 3 and type(config.limit) is int  # the override wins over the file
+    assert config.top_p == 0.9 and type(config.top_p) is float
+    assert config.chat is False and config.seed == 5
+    assert config.memory_budget == "2GiB"
+    assert load_job_config(path, ["memory_budget=512"]).memory_budget == 512
+    assert load_job_config(path, ["reward=null"]).reward is None
+    assert load_job_config(None, []) == JobConfig()  # no file: the defaults
+
+
+def test_fingerprint_names_the_content_not_the_output(tmp_path):
+    base = load_job_config(None, ["seed=1", "output=a.jsonl"])
+    assert base.fingerprint() == load_job_config(None, ["seed=1", "output=b.jsonl"]).fingerprint()
+    assert base.fingerprint() != load_job_config(None, ["seed=2", "output=a.jsonl"]).fingerprint()
+    assert base.fingerprint() != load_job_config(None, ["seed=1", "max_new_tokens=9"]).fingerprint()
+
+
+@pytest.mark.parametrize(
+    "override, suggestion", [("max_new_token=5", "max_new_tokens"), ("temprature=0.5", "temperature")]
+)
+def test_unknown_key_gets_a_suggestion(tmp_path, override, suggestion):
+    with pytest.raises(ValueError, match=f"did you mean '{suggestion}'"):
+        load_job_config(None, [override])
+    path = tmp_path / "job.yaml"
+    path.write_text(override.replace("=", ": "))
+    with pytest.raises(ValueError, match=f"did you mean '{suggestion}'"):
+        load_job_config(path)
+
+
+def test_malformed_configs_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="method"):
+        load_job_config(None, ["method=beam_search"])
+    with pytest.raises(ValueError, match="key=value"):
+        load_job_config(None, ["seed"])
+    path = tmp_path / "list.yaml"
+    path.write_text("- method: generate\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_job_config(path)
+
+
+@pytest.mark.parametrize("override", ["max_new_tokens=abc", "limit=abc", "top_k=0.5", "seed=[1]"])
+def test_override_values_are_checked_against_field_types(override):
+    key = override.partition("=")[0]
+    with pytest.raises((ValueError, TypeError), match=key):
+        load_job_config(None, [override])
+
+
+def test_numeric_spelling_does_not_change_the_job():
+    one = load_job_config(None, ["temperature=1", "top_p=1"])
+    assert type(one.temperature) is float and type(one.top_p) is float
+    assert one.fingerprint() == load_job_config(None, ["temperature=1.0", "top_p=1.0"]).fingerprint()
+
+
+def test_demo_overrides_make_a_valid_job():
+    config = load_job_config(None, DEMO_OVERRIDES)
+    assert config.method == "speculative_rejection" and config.reward == "minilm"
+    assert config.model == "smollm2" and config.limit == 2 and config.memory_budget == 1024
+    assert 0 < config.rejection_rate < 1 and config.max_new_tokens >= 1
+    assert load_job_config(None, [*DEMO_OVERRIDES, "limit=1"]).limit == 1  # `jaxsr demo key=value`
+    try:
+        find_dataset(config.data)
+    except FileNotFoundError:
+        pytest.skip("the bundled prompt sets are not available here")
+
+
+# -- running jobs from the command line ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_run_writes_a_header_and_one_record_per_prompt(job, capsys):
+    path, output = job
+    assert cli("run", str(path), "limit=3") == 0
+    assert capsys.readouterr().out.strip() == str(output)
+    header, records = read_jsonl(output)
+    assert header["jaxsr_job"] == load_job_config(path, ["limit=3"]).fingerprint()
+    assert header["config"]["limit"] == 3 and header["config"]["method"] == "generate"
+    assert [r["index"] for r in records] == [0, 1, 2]
+    assert [r["prompt"] for r in records] == PROMPTS[:3]
+    for record in records:
+        assert len(record["samples"]) == 2 and [s["index"] for s in record["samples"]] == [0, 1]
+        for sample in record["samples"]:
+            assert 1 <= len(sample["token_ids"]) + sample["finished"] <= 8
+            assert isinstance(sample["text"], str)
+        assert record["stats"]["token_forwards"]["generator"] > 0
+    assert records[0]["samples"][0]["token_ids"] != records[0]["samples"][1]["token_ids"]
+
+
+def test_jsonl_data_gives_the_same_records(job, data, tmp_path):
+    path, output = job
+    assert cli("run", str(path), "limit=3") == 0
+    other = tmp_path / "from_jsonl.jsonl"
+    assert cli("run", str(path), "limit=3", f"data={data['jsonl']}", f"output={other}") == 0
+    (_, a), (_, b) = read_jsonl(output), read_jsonl(other)
+    assert [r["samples"] for r in a] == [r["samples"] for r in b]
+
+
+@pytest.mark.slow
+def test_resume_after_a_kill_matches_an_uninterrupted_run(job):
+    path, output = job
+    assert cli("run", str(path), "limit=3") == 0  # one call: 3 prompts in a batch of 4 rows
+    uninterrupted = output.read_text()
+    lines = uninterrupted.splitlines(keepends=True)
+    assert len(lines) == 1 + 3
+    torn = lines[0] + lines[1] + lines[2][: len(lines[2]) // 2]  # killed while writing record 1
+    output.write_text(torn)
+    assert cli("run", str(path), "limit=3") == 0  # prompts 1 and 2 redone in one call at offset 1
+    resumed = output.read_text()
+    assert resumed.startswith(lines[0] + lines[1])
+    _, records = read_jsonl(output)
+    assert [r["index"] for r in records] == [0, 1, 2]
+    _, expected = read_jsonl_text(uninterrupted)
+    # same tokens, texts and log-probabilities (stats share a batch's work among its prompts: not compared)
+    assert [without_stats(r) for r in records] == [without_stats(r) for r in expected]
+    assert cli("run", str(path), "limit=3") == 0  # a complete job: nothing to do, nothing written
+    assert output.read_text() == resumed
+
+
+def read_jsonl_text(text: str) -> tuple[dict, list[dict]]:
+    header, *records = [json.loads(line) for line in text.splitlines()]
+    return header, records
+
+
+def test_output_of_another_job_is_refused(job, capsys):
+    path, output = job
+    assert cli("run", str(path), "limit=3", "seed=1") == 0
+    before = output.read_bytes()
+    capsys.readouterr()
+    assert cli("run", str(path), "limit=3", "seed=0") == 2
+    err = capsys.readouterr().err
+    assert "output" in err and "different job" in err
+    assert output.read_bytes() == before
+    output.write_text("not a jaxsr file\n")
+    assert cli("run", str(path), "limit=3") == 2
+    assert "output" in capsys.readouterr().err
+    assert output.read_text() == "not a jaxsr file\n"
+
+
+@pytest.mark.parametrize(
+    "overrides, name",
+    [
+        (["top_p=2"], "top_p"),
+        (["temperature=-1"], "temperature"),
+        (["top_k=-3"], "top_k"),
+        (["method=beam"], "method"),
+        (["max_new_token=4"], "max_new_tokens"),
+        pytest.param(["max_new_tokens=0"], "max_new_tokens"),
+        pytest.param(["num_samples=0"], "num_samples"),
+        pytest.param(["method=best_of_n", "reward=self_likelihood", "n=0"], "n"),
+        (["method=best_of_n", "n=4"], "reward"),
+        pytest.param(
+            ["method=speculative_rejection", "reward=self_likelihood", "rejection_rate=1.5"],
+            "rejection_rate",
+        ),
+        pytest.param(
+            ["method=speculative_rejection", "reward=self_likelihood", "memory_budget=lots"],
+            "memory_budget",
+        ),
+        (["data=/nonexistent/prompts.json"], "data"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else " ".join(v),
+)
+def test_bad_values_exit_2_and_write_nothing(job, capsys, overrides, name):
+    path, output = job
+    assert cli("run", str(path), "limit=1", *overrides) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxsr: error:") and (f"{name}:" in err or f"'{name}'" in err)
+    assert not output.exists()
+
+
+def test_a_bad_limit_is_named(job, capsys):
+    path, output = job
+    assert cli("run", str(path), "limit=abc") == 2
+    assert "limit" in capsys.readouterr().err
+    assert not output.exists()
+
+
+def test_a_fixed_config_runs_after_a_refused_one(job):
+    path, output = job
+    assert cli("run", str(path), "limit=3", "max_new_tokens=0") == 2
+    assert cli("run", str(path), "limit=3", "max_new_tokens=4") == 0
+    _, records = read_jsonl(output)
+    assert [r["index"] for r in records] == [0, 1, 2]
+
+
+# -- search methods as jobs -------------------------------------------------------------------------
+
+
+def check_best(record: dict) -> None:
+    scores = [s["score"] for s in record["samples"]]
+    assert all(isinstance(s, float) for s in scores)
+    assert record["best"] is not None and record["best"]["score"] == max(scores)
+    assert record["best"] == record["samples"][scores.index(max(scores))]
+
+
+@pytest.mark.slow
+def test_best_of_n_job(job):
+    path, output = job
+    overrides = ["method=best_of_n", "reward=self_likelihood", "n=4", "limit=2", "max_new_tokens=12"]
+    assert cli("run", str(path), *overrides) == 0
+    header, records = read_jsonl(output)
+    assert header["config"]["method"] == "best_of_n" and header["config"]["n"] == 4
+    assert [r["index"] for r in records] == [0, 1]
+    for record in records:
+        assert len(record["samples"]) == 4
+        check_best(record)
+        for sample in record["samples"]:  # self-likelihood: mean log-probability per scored token
+            count = len(sample["token_ids"]) + sample["finished"]
+            assert sample["score"] == pytest.approx(sample["logprob"] / count, rel=1e-6)
+        assert record["stats"]["token_forwards"]["reward"] == 0
+
+
+@pytest.mark.slow
+def test_speculative_rejection_job(job):
+    path, output = job
+    overrides = [
+        "method=speculative_rejection",
+        "reward=self_likelihood",
+        "n=8",
+        "rejection_rate=0.5",
+        "memory_budget=192",  # ≤ 64 prompt slots + 8 rows × 16: the first decision comes at 17 tokens
+        "max_new_tokens=32",
+        "limit=2",
+    ]
+    assert cli("run", str(path), *overrides) == 0
+    header, records = read_jsonl(output)
+    assert header["config"]["memory_budget"] == 192
+    assert [r["index"] for r in records] == [0, 1]
+    for record in records:
+        stats = record["stats"]
+        assert stats["initial_batch"] == 8 and stats["batch_sizes"][0] == 8
+        assert stats["rounds"] >= 2 and stats["batch_sizes"][-1] <= 4
+        assert stats["memory_budget_slots"] == 192
+        assert 1 <= len(record["samples"]) <= 8
+        check_best(record)
+
+
+def test_config_file_is_not_modified(job):
+    path, _ = job
+    before = path.read_text()
+    assert cli("run", str(path), "limit=3", "max_new_tokens=4") == 0
+    assert path.read_text() == before
+    assert dataclasses.asdict(load_job_config(path))["max_new_tokens"] == 8
+
+
+def test_options_may_precede_overrides(job):
+    path, output = job
+    try:
+        code = main(["run", str(path), "--no-progress", "limit=3"])
+    except SystemExit as e:  # argparse's own error exit
+        code = e.code
+    assert code == 0
+    _, records = read_jsonl(output)
+    assert len(records) == 3

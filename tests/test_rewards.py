@@ -1,0 +1,392 @@
+"""Rewards: a `*ForSequenceClassification` reward model behind the SmolLM2 chat template (parity with
+torch), embedding similarity with the real all-MiniLM-L6-v2, self-likelihood formulas, and Best-of-N /
+Speculative Rejection driven by the classifier reward end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import hf_fixtures as H
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import jaxsr
+from jaxsr.loading.encoder import load_encoder, minilm_path
+from jaxsr.loading.gguf import smollm2_path
+from jaxsr.rewards import Candidates, ClassifierReward, EmbeddingSimilarity, SelfLikelihood, as_reward
+
+TOL = 1e-4
+RM_CONTEXT = 256
+PAD_ID = 0
+"""`<|endoftext|>` in SmolLM2's vocabulary: never part of a rendered conversation."""
+
+PAIRS = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Say something.", ""),
+    ("Translate 'bonjour' to English.", "Hello — « bonjour » means hello. 🙂"),
+]
+RESPONSES = [  # rendered lengths cross the 64- and 128-token length buckets
+    "Yes.",
+    "Bread needs flour, water, salt and yeast. " * 6,
+    "",
+    "Knead the dough for ten minutes, then let it rise. " * 2,
+    "No idea, sorry.",
+    "First mix, then knead, then wait, then bake until golden brown. " * 5,
+    "Preheat the oven.",
+    "It depends on the recipe you follow and on your oven. " * 3,
+    "Bake at 220 °C.",
+]
+PROMPT = "How do I bake bread?"
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    path = smollm2_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def tiny_llama(cls: str, vocab_size: int, seed: int, **overrides) -> torch.nn.Module:
+    """A tiny random transformers Llama (weights re-drawn so that logits and scores are O(1–10))."""
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=RM_CONTEXT,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)(transformers.LlamaConfig(**kwargs))
+    H._randomize(model, seed=seed)
+    model.config._attn_implementation = "eager"
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def rm_checkpoint(smol_tokenizer, tmp_path_factory):
+    """(directory, torch model): a tiny random Llama reward model with SmolLM2's tokenizer and template."""
+    model = tiny_llama(
+        "LlamaForSequenceClassification", len(smol_tokenizer), 11, num_labels=1, pad_token_id=PAD_ID
+    )
+    directory = tmp_path_factory.mktemp("smol-rm")
+    model.save_pretrained(str(directory))
+    smol_tokenizer.save_pretrained(str(directory))
+    return directory, model
+
+
+@pytest.fixture(scope="module")
+def rm(rm_checkpoint):
+    return jaxsr.load_reward_model(rm_checkpoint[0])
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return load_encoder(minilm_path())
+
+
+def candidates(prompt: str, texts: list[str]) -> Candidates:
+    n = len(texts)
+    return Candidates(
+        prompt_text=prompt,
+        prompt_ids=[],
+        token_ids=[[] for _ in texts],
+        texts=list(texts),
+        logprob_sum=np.zeros(n),
+        num_tokens=np.ones(n, np.int64),
+    )
+
+
+def rendered_ids(tokenizer, prompt: str, response: str) -> list[int]:
+    """[user: prompt, assistant: response] as a closed assistant turn, tokenized without extra specials."""
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def left_padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    width = max(map(len, rows))
+    tokens = np.full((len(rows), width), PAD_ID, np.int64)
+    mask = np.zeros((len(rows), width), np.int64)
+    for r, ids in enumerate(rows):
+        tokens[r, width - len(ids) :], mask[r, width - len(ids) :] = ids, 1
+    return tokens, mask
+
+
+def next_pow2(n: int, minimum: int) -> int:
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+# -- ClassifierReward ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_rm_loads_with_its_chat_template(rm):
+    assert isinstance(rm, jaxsr.RewardModel)
+    assert rm.tokenizer is not None and rm.tokenizer.chat_template
+
+
+@pytest.mark.slow
+def test_classifier_scores_the_rendered_conversation(rm, rm_checkpoint, smol_tokenizer):
+    _, torch_model = rm_checkpoint
+    rendered = [rendered_ids(smol_tokenizer, prompt, response) for prompt, response in PAIRS]
+    direct = np.asarray(rm.scores(*left_padded(rendered)))  # one call, width = the longest row
+    for (prompt, response), ids, expected in zip(PAIRS, rendered, direct, strict=True):
+        assert ids[-2:] == smol_tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"]
+        got = ClassifierReward(rm).score(candidates(prompt, [response]))
+        assert got.shape == (1,)
+        with torch.no_grad():
+            oracle = float(torch_model(input_ids=torch.tensor([ids])).logits[0, 0])
+        assert got[0] == pytest.approx(float(expected), abs=TOL)
+        assert got[0] == pytest.approx(oracle, abs=TOL)
+    # not vacuous: the reward depends on the response and on the prompt
+    a, b = ClassifierReward(rm).score(candidates(PROMPT, ["Yes.", "No."]))
+    (c,) = ClassifierReward(rm).score(candidates("Something else entirely?", ["Yes."]))
+    assert abs(a - b) > 1e-3 and abs(a - c) > 1e-3
+
+
+def test_classifier_batch_equals_one_at_a_time(rm, smol_tokenizer):
+    lengths = [len(rendered_ids(smol_tokenizer, PROMPT, r)) for r in RESPONSES]
+    assert min(lengths) < 64 < max(lengths) <= 128
+    reward = ClassifierReward(rm, batch_size=4)  # 9 responses: three chunks of mixed lengths
+    together = reward.score(candidates(PROMPT, RESPONSES))
+    alone = np.array([reward.score(candidates(PROMPT, [r]))[0] for r in RESPONSES])
+    assert together.shape == (len(RESPONSES),)
+    np.testing.assert_allclose(together, alone, atol=1e-5, rtol=0)
+    assert np.ptp(together) > 1e-3
+    backwards = reward.score(candidates(PROMPT, RESPONSES[::-1]))
+    np.testing.assert_allclose(backwards[::-1], together, atol=1e-5, rtol=0)
+
+
+def test_classifier_counts_padded_work(rm, smol_tokenizer):
+    reward = ClassifierReward(rm, batch_size=4)
+    assert reward.token_forwards == 0
+    texts = RESPONSES[:6]
+    lengths = [len(rendered_ids(smol_tokenizer, PROMPT, r)) for r in texts]
+    expected = 0
+    for start in range(0, len(texts), 4):
+        chunk = lengths[start : start + 4]
+        expected += next_pow2(len(chunk), 1) * next_pow2(max(chunk), 16)
+    reward.score(candidates(PROMPT, texts))
+    assert reward.token_forwards == expected
+    assert expected > sum(lengths)
+    reward.score(candidates(PROMPT, texts[:1]))
+    assert reward.token_forwards == expected + next_pow2(lengths[0], 16)
+
+
+def test_classifier_respects_a_context_that_is_not_a_power_of_two(rm, smol_tokenizer):
+    short_rm = dataclasses.replace(rm, config=dataclasses.replace(rm.config, max_position_embeddings=48))
+    response = "Paris."
+    ids = rendered_ids(smol_tokenizer, PROMPT, response)
+    assert 32 < len(ids) <= 48  # fits the context, yet its length bucket (64) does not
+    long_response = "Paris is the capital of France. " * 10
+    reward = ClassifierReward(short_rm)
+    scores = reward.score(candidates(PROMPT, [response, long_response]))
+    assert scores[0] == pytest.approx(float(np.asarray(rm.scores([ids]))[0]), abs=TOL)
+    assert np.isfinite(scores).all()
+
+
+def test_classifier_refuses_a_template_that_cannot_render(rm, rm_checkpoint):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(rm_checkpoint[0]))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+        "{{ raise_exception('this template has no assistant turns') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    reward = ClassifierReward(dataclasses.replace(rm, tokenizer=tokenizer))
+    with pytest.raises(ValueError, match="reward") as err:
+        reward.score(candidates(PROMPT, ["Yes."]))
+    assert "no assistant turns" in str(err.value)
+
+
+def test_classifier_needs_a_reward_model_with_a_tokenizer(rm, generator):
+    with pytest.raises(TypeError, match="reward"):
+        ClassifierReward(generator)
+    with pytest.raises(ValueError, match="reward"):
+        ClassifierReward(dataclasses.replace(rm, tokenizer=None))
+
+
+def test_as_reward(rm, encoder, generator):
+    classifier = as_reward(rm)
+    assert isinstance(classifier, ClassifierReward) and classifier.model is rm
+    similarity = as_reward(encoder)
+    assert isinstance(similarity, EmbeddingSimilarity) and similarity.encoder is encoder
+    self_likelihood = SelfLikelihood()
+    assert as_reward(self_likelihood) is self_likelihood
+    for bad in (object(), "self_likelihood", None, generator, lambda c: np.zeros(len(c))):
+        with pytest.raises(TypeError, match="reward"):
+            as_reward(bad)
+
+
+# -- EmbeddingSimilarity ---------------------------------------------------------------------------
+
+
+def test_similarity_prefers_the_relevant_response(encoder):
+    reward = EmbeddingSimilarity(encoder)
+    relevant = "Mix flour, water, yeast and salt, knead the dough, let it rise, then bake it in a hot oven."
+    irrelevant = "The stock market closed higher today after strong quarterly earnings reports."
+    scores = reward.score(candidates(PROMPT, [irrelevant, relevant]))
+    assert scores[1] > scores[0] + 0.2
+    assert reward.token_forwards > 0
+
+
+def test_similarity_is_the_cosine_of_the_encoder_embeddings(encoder):
+    texts = ["Use a hot oven.", "Bread is made from dough.", "Cats sleep a lot."]
+    scores = EmbeddingSimilarity(encoder).score(candidates(PROMPT, texts))
+    prompt = np.asarray(encoder.embed([PROMPT]))[0].astype(np.float64)
+    responses = np.asarray(encoder.embed(texts)).astype(np.float64)
+    cosine = responses @ prompt / (np.linalg.norm(responses, axis=1) * np.linalg.norm(prompt))
+    np.testing.assert_allclose(scores, cosine, atol=1e-5, rtol=0)
+
+
+def test_similarity_of_empty_partial_responses(encoder):
+    reward = EmbeddingSimilarity(encoder)
+    scores = reward.score(candidates(PROMPT, ["", "   ", "\n", "Knead the dough."]))
+    assert scores.shape == (4,) and np.isfinite(scores).all()
+    assert np.all(np.abs(scores) <= 1 + 1e-5)
+
+
+def test_similarity_refuses_other_models(rm):
+    with pytest.raises(TypeError, match="reward"):
+        EmbeddingSimilarity(rm)
+
+
+# -- SelfLikelihood --------------------------------------------------------------------------------
+
+
+def test_self_likelihood_formulas():
+    c = candidates("p", ["a", "b", "c"])
+    c.logprob_sum = np.array([-2.0, -6.0, -0.3])
+    c.num_tokens = np.array([2, 3, 1])
+    mean = np.array([-1.0, -2.0, -0.3])
+    reward = SelfLikelihood()
+    np.testing.assert_allclose(reward.score(c), mean)
+    np.testing.assert_allclose(SelfLikelihood("neg_perplexity").score(c), -np.exp(-mean))
+    # both rank responses the same way
+    assert list(np.argsort(reward.score(c))) == list(np.argsort(SelfLikelihood("neg_perplexity").score(c)))
+    assert reward.token_forwards == 0
+    assert reward.name != SelfLikelihood("neg_perplexity").name
+
+
+@pytest.mark.parametrize("kind", ["perplexity", "", None, "MEAN_LOGPROB"])
+def test_self_likelihood_refuses_unknown_kinds(kind):
+    with pytest.raises(ValueError, match="kind"):
+        SelfLikelihood(kind)
+
+
+# -- Best-of-N / Speculative Rejection with the classifier reward ----------------------------------
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
+N, MAX_NEW = 6, 12
+
+
+@pytest.fixture(scope="module")
+def generator(smol_tokenizer, tmp_path_factory):
+    """A tiny random causal Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer."""
+    model = tiny_llama("LlamaForCausalLM", len(smol_tokenizer), 5)
+    directory = tmp_path_factory.mktemp("smol-lm")
+    model.save_pretrained(str(directory))
+    smol_tokenizer.save_pretrained(str(directory))
+    lm = jaxsr.load_model(directory)
+    assert type(lm) is jaxsr.Model and smol_tokenizer.eos_token_id in lm.eos_token_ids
+    return lm
+
+
+@pytest.fixture(scope="module")
+def bon(generator, rm):
+    return jaxsr.best_of_n(generator, rm, PROMPTS, n=N, max_new_tokens=MAX_NEW, seed=7)
+
+
+def check_best(result: jaxsr.Result) -> None:
+    scores = [s.score for s in result.samples]
+    assert result.best is not None and result.best.score == max(scores)
+    assert result.best is result.samples[int(np.argmax(scores))]
+
+
+@pytest.mark.slow
+def test_best_of_n_with_classifier_reward(bon, rm, smol_tokenizer):
+    # each score is the reward of [user: the prompt text, assistant: the decoded response]
+    rendered = [
+        [rendered_ids(smol_tokenizer, p, s.text) for s in r.samples]
+        for p, r in zip(PROMPTS, bon, strict=True)
+    ]
+    flat = [ids for rows in rendered for ids in rows]
+    expected = np.asarray(rm.scores(*left_padded(flat))).reshape(len(PROMPTS), N)
+    for result, rows, scores in zip(bon, rendered, expected, strict=True):
+        assert len(result.samples) == N and [s.index for s in result.samples] == list(range(N))
+        check_best(result)
+        for sample in result.samples:
+            assert sample.text == smol_tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        np.testing.assert_allclose([s.score for s in result.samples], scores, atol=TOL, rtol=0)
+        assert len({s.score for s in result.samples}) > 1
+        forwards = result.stats["token_forwards"]
+        assert forwards["reward"] == next_pow2(N, 1) * next_pow2(max(map(len, rows)), 16)
+        assert forwards["generator"] > 0
+
+
+@pytest.mark.slow
+def test_zero_rejection_sr_equals_best_of_n(bon, generator, rm):
+    sr = jaxsr.speculative_rejection(
+        generator, rm, PROMPTS, n=N, rejection_rate=0.0, memory_budget=4096, max_new_tokens=MAX_NEW, seed=7
+    )
+    for a, b in zip(bon, sr, strict=True):
+        assert [s.token_ids for s in b.samples] == [s.token_ids for s in a.samples]
+        np.testing.assert_allclose([s.score for s in b.samples], [s.score for s in a.samples], atol=1e-5)
+        assert b.best is not None and b.best.index == a.best.index
+        assert b.stats["rounds"] == 1 and b.stats["token_forwards"]["reward"] > 0
+
+
+@pytest.mark.slow
+def test_speculative_rejection_keeps_the_best_partial_responses(bon, generator, rm, smol_tokenizer):
+    """One decision point after a few tokens: the kept rows are the top half by the reward of their
+    partial text, and they continue exactly as in Best-of-N (random streams are keyed by sample)."""
+    (result,) = jaxsr.speculative_rejection(
+        generator,
+        rm,
+        PROMPTS[:1],
+        n=N,
+        rejection_rate=0.5,
+        memory_budget=4096,
+        max_new_tokens=MAX_NEW,
+        seed=7,
+        decision_interval=6,
+    )
+    stats, full = result.stats, bon[0].samples
+    assert stats["rounds"] == 2 and stats["batch_sizes"][0] == N and stats["batch_sizes"][1] <= N // 2
+    cut = stats["round_log"][0]["end_token"]
+    assert 1 < cut < MAX_NEW
+    partial = [
+        rendered_ids(
+            smol_tokenizer,
+            PROMPTS[0],
+            generator.tokenizer.decode(s.token_ids[:cut], skip_special_tokens=True),
+        )
+        for s in full
+    ]
+    partial_scores = np.asarray(rm.scores(*left_padded(partial)))
+    assert len(set(np.round(partial_scores, 4))) == N  # no ties: the kept set is well defined
+    assert sorted(s.index for s in result.samples) == sorted(np.argsort(-partial_scores)[: N // 2].tolist())
+    for sample in result.samples:
+        assert sample.token_ids == full[sample.index].token_ids
+        assert sample.score == pytest.approx(full[sample.index].score, abs=1e-5)
+    assert stats["token_forwards"]["reward"] > bon[0].stats["token_forwards"]["reward"]
+    check_best(result)
+
+
+def test_search_refuses_a_reward_template_that_cannot_render(generator, rm, rm_checkpoint):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(rm_checkpoint[0]))
+    tokenizer.chat_template = "{{ raise_exception('no conversations here') }}"
+    bad = dataclasses.replace(rm, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="reward"):
+        jaxsr.best_of_n(generator, bad, PROMPTS, n=N, max_new_tokens=MAX_NEW, seed=7)
