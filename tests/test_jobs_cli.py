@@ -375,3 +375,10 @@ def test_options_may_precede_overrides(job):
     assert code == 0
     _, records = read_jsonl(output)
     assert len(records) == 3
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml")), ids=str)
+def test_shipped_configs_are_valid_jobs(path):
+    config = load_job_config(path)
+    assert config.method in ("generate", "best_of_n", "speculative_rejection")
+    assert config.output.startswith("out/")
