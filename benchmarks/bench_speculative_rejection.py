@@ -29,9 +29,10 @@ import scipy.stats
 
 import jaxsr
 from benchmarks.common import RESULTS, table, write_result
-from jaxsr.decoding.prompts import bucket, encode_prompts
+from jaxsr.decoding.prompts import encode_prompts
 from jaxsr.jobs.methods import resolve_reward
 from jaxsr.jobs.runner import read_prompts
+from jaxsr.ladder import bucket
 from jaxsr.loading.gguf import smollm2_path
 from jaxsr.search.candidates import score_rows
 from jaxsr.search.memory import slot_bytes

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
+from jaxsr.ladder import bucket
 from jaxsr.loading.encoder import load_encoder, minilm_path
 from jaxsr.loading.safetensors import CheckpointError
-from jaxsr.models.encoder import bucket
 from jaxsr.sharding import make_mesh
 
 VOCAB, TYPES, POSITIONS = 64, 2, 32
@@ -186,9 +186,10 @@ def test_bad_inputs_are_refused(tiny):
 
 
 def test_bucket_ladder():
-    assert [bucket(n, 512, 8) for n in (1, 8, 9, 16, 17, 200, 300)] == [8, 8, 16, 16, 32, 256, 512]
-    assert bucket(600, 512, 8) == 512
-    assert [bucket(n, 48) for n in (1, 3, 33)] == [1, 4, 48]
+    assert [bucket(n, 8, cap=512) for n in (1, 8, 9, 16, 17, 200, 300)] == [8, 8, 16, 16, 32, 256, 512]
+    assert bucket(600, 8, cap=512) == 512
+    assert [bucket(n, 1, cap=48) for n in (1, 3, 33)] == [1, 4, 48]
+    assert [bucket(n) for n in (1, 16, 17)] == [16, 16, 32]
 
 
 def test_minilm_path_names_the_package_when_missing(monkeypatch):

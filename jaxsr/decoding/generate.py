@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsr.decoding.prompts import bucket, check_context, check_positive_int, encode_prompts, left_pad
+from jaxsr.decoding.prompts import check_context, check_positive_int, encode_prompts, left_pad
 from jaxsr.decoding.sampler import decode_loop, init_state, prefill
 from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Result, Sample
 

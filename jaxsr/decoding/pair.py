@@ -43,8 +43,9 @@ from flax import nnx, struct
 
 from jaxsr.decoding import sampler
 from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, RawSample, stop_id_matrix
-from jaxsr.decoding.prompts import bucket, check_context, left_pad
+from jaxsr.decoding.prompts import check_context, left_pad
 from jaxsr.decoding.sampling import SamplingConfig, process_logits
+from jaxsr.ladder import bucket
 from jaxsr.models.cache import PromptCache, RowCache
 from jaxsr.models.model import Model
 

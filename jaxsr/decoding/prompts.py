@@ -10,11 +10,6 @@ import numpy as np
 from jaxsr.models.model import Model
 
 
-def bucket(n: int, minimum: int = 16) -> int:
-    """The ladder rung for a size: the next power of two, at least `minimum`."""
-    return max(minimum, 1 << max(n - 1, 0).bit_length())
-
-
 def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")

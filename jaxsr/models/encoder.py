@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxsr.ladder import bucket
 from jaxsr.models.attention import Segment, attend
 from jaxsr.models.layers import ACTIVATIONS, Norm, param
 from jaxsr.models.model import as_token_batch
@@ -176,11 +177,6 @@ def _sentence_embeddings(
     return nnx.merge(graph, params).sentence_embeddings(tokens, mask, types)
 
 
-def bucket(n: int, cap: int, minimum: int = 1) -> int:
-    """The smallest power of two ≥ max(n, minimum), at most `cap`: a small ladder of compiled shapes."""
-    return min(cap, max(minimum, 1 << max(n - 1, 0).bit_length()))
-
-
 @dataclasses.dataclass
 class EncoderModel:
     """A loaded encoder: `graph` + `params` (an `nnx.State`) and its transformers tokenizer.
@@ -243,7 +239,7 @@ class EncoderModel:
             [t for t, m in zip(ids, mask, strict=True) if m]
             for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)
         ]
-        width = bucket(max(map(len, rows)), self.config.max_position_embeddings, self.MIN_LENGTH)
+        width = bucket(max(map(len, rows)), self.MIN_LENGTH, cap=self.config.max_position_embeddings)
         tokens = np.full((len(rows), width), self.tokenizer.pad_token_id or 0, np.int32)
         mask = np.zeros((len(rows), width), np.int32)
         for i, row in enumerate(rows):
@@ -264,7 +260,7 @@ class EncoderModel:
         for start in range(0, len(texts), batch_size):
             tokens, mask = self.tokenize(texts[start : start + batch_size])
             n = len(tokens)
-            pad_rows = ((0, bucket(n, batch_size) - n), (0, 0))
+            pad_rows = ((0, bucket(n, 1, cap=batch_size) - n), (0, 0))
             tokens, mask = np.pad(tokens, pad_rows), np.pad(mask, pad_rows)
             placed = self._place(jnp.asarray(tokens), jnp.asarray(mask), jnp.zeros(tokens.shape, jnp.int32))
             out.append(np.asarray(_sentence_embeddings(self.graph, self.params, *placed))[:n])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxsr.decoding.prompts import bucket, left_pad
+from jaxsr.decoding.prompts import left_pad
+from jaxsr.ladder import bucket
 from jaxsr.models.model import RewardModel
 from jaxsr.rewards.base import Candidates
 

@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 
 from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_sampling, check_seed, sample_many
-from jaxsr.decoding.prompts import bucket, check_context, check_positive_int, encode_prompts
+from jaxsr.decoding.prompts import check_context, check_positive_int, encode_prompts
 from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Result, Sample
 from jaxsr.rewards import as_reward
