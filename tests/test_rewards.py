@@ -390,3 +390,16 @@ def test_search_refuses_a_reward_template_that_cannot_render(generator, rm, rm_c
     bad = dataclasses.replace(rm, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="reward"):
         jaxsr.best_of_n(generator, bad, PROMPTS, n=N, max_new_tokens=MAX_NEW, seed=7)
+
+
+def test_similarity_counts_the_padded_encoder_work(encoder):
+    reward = EmbeddingSimilarity(encoder)
+    texts = ["Paris is the capital of France.", "A short one.", "Three texts pad to four rows."]
+    reward.score(candidates(PROMPT, texts))
+    prompt_tokens, _ = encoder.tokenize([PROMPT])
+    response_tokens, _ = encoder.tokenize(texts)
+    # the prompt alone (one row), then the three responses padded to a four-row bucket
+    assert reward.token_forwards == prompt_tokens.size + 4 * response_tokens.shape[1]
+    before = reward.token_forwards
+    reward.score(candidates(PROMPT, texts[:1]))  # the prompt's embedding is cached
+    assert reward.token_forwards - before == encoder.tokenize(texts[:1])[0].size

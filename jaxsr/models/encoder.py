@@ -192,6 +192,8 @@ class EncoderModel:
     max_length: int = 512
     mesh: Mesh | None = None
     name: str = ""
+    token_forwards: int = 0
+    """Token positions run through the encoder by `embed` so far (padding included)."""
 
     MIN_LENGTH = 8
     """Shortest padded length; longer batches pad to the next power of two."""
@@ -262,6 +264,7 @@ class EncoderModel:
             n = len(tokens)
             pad_rows = ((0, bucket(n, 1, cap=batch_size) - n), (0, 0))
             tokens, mask = np.pad(tokens, pad_rows), np.pad(mask, pad_rows)
+            self.token_forwards += tokens.size
             placed = self._place(jnp.asarray(tokens), jnp.asarray(mask), jnp.zeros(tokens.shape, jnp.int32))
             out.append(np.asarray(_sentence_embeddings(self.graph, self.params, *placed))[:n])
         return np.concatenate(out)

@@ -20,9 +20,10 @@ class EmbeddingSimilarity:
         self._prompt_cache: dict[str, np.ndarray] = {}
 
     def _embed(self, texts: list[str]) -> np.ndarray:
-        tokens, _ = self.encoder.tokenize(texts)
-        self.token_forwards += int(tokens.size)
-        return np.asarray(self.encoder.embed(texts))
+        before = self.encoder.token_forwards
+        embeddings = np.asarray(self.encoder.embed(texts))
+        self.token_forwards += self.encoder.token_forwards - before
+        return embeddings
 
     def score(self, candidates: Candidates) -> np.ndarray:
         if candidates.prompt_text not in self._prompt_cache:
