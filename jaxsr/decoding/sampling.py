@@ -84,9 +84,3 @@ def draw(keys: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Arra
     processed = process_logits(logits, config)
     return jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32)
 
-
-def sample(key: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:
-    """One token per row from processed logits [V] (vmap over rows for per-row keys)."""
-    if config.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
