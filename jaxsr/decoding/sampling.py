@@ -83,4 +83,3 @@ def draw(keys: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Arra
         return jnp.take_along_axis(index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
     processed = process_logits(logits, config)
     return jax.vmap(jax.random.categorical)(keys, processed).astype(jnp.int32)
-
