@@ -382,3 +382,27 @@ def test_shipped_configs_are_valid_jobs(path):
     config = load_job_config(path)
     assert config.method in ("generate", "best_of_n", "speculative_rejection")
     assert config.output.startswith("out/")
+
+
+@pytest.mark.slow
+def test_speculative_contrastive_job_matches_the_contrastive_job_when_greedy(job, tmp_path):
+    path, _ = job
+    model = yaml.safe_load(path.read_text())["model"]  # the amateur is the same tiny model here
+    common = ["temperature=0", "num_samples=1", "limit=2", "max_new_tokens=8", f"draft={model}"]
+    scd_out, cd_out = tmp_path / "scd.jsonl", tmp_path / "cd.jsonl"
+    assert (
+        cli(
+            "run", str(path), "method=speculative_contrastive_decode", "gamma=3", f"output={scd_out}", *common
+        )
+        == 0
+    )
+    assert cli("run", str(path), "method=contrastive_decode", f"output={cd_out}", *common) == 0
+    (_, scd), (_, cd) = read_jsonl(scd_out), read_jsonl(cd_out)
+    assert [r["samples"][0]["token_ids"] for r in scd] == [r["samples"][0]["token_ids"] for r in cd]
+    assert all(r["stats"]["acceptance_rate"] is not None for r in scd)
+
+
+def test_two_model_jobs_need_a_draft(job, capsys):
+    path, output = job
+    assert cli("run", str(path), "method=speculative_decode", "limit=1") == 2
+    assert "draft" in capsys.readouterr().err and not output.exists()

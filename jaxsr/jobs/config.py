@@ -12,7 +12,14 @@ from typing import Any
 
 import yaml
 
-METHODS = ("generate", "best_of_n", "speculative_rejection")
+METHODS = (
+    "generate",
+    "best_of_n",
+    "speculative_rejection",
+    "speculative_decode",
+    "contrastive_decode",
+    "speculative_contrastive_decode",
+)
 
 
 @dataclasses.dataclass
@@ -34,6 +41,11 @@ class JobConfig:
     top_p: float = 1.0
     num_samples: int = 1
     n: int | None = None
+    draft: str | None = None
+    """The second model of speculative_decode (draft) and (speculative_)contrastive_decode (amateur)."""
+    gamma: int = 4
+    alpha: float = 0.1
+    beta: float = 0.5
     rejection_rate: float = 0.5
     memory_budget: int | str | None = None
     seed: int = 0

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jaxsr.decoding.contrastive import contrastive_decode
 from jaxsr.decoding.generate import generate
 from jaxsr.decoding.prompts import check_positive_int
 from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.decoding.speculative import speculative_contrastive_decode, speculative_decode
 from jaxsr.jobs.config import JobConfig
 from jaxsr.loading.api import load_model, load_reward_model
 from jaxsr.models.model import Model
@@ -16,6 +18,13 @@ from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.speculative_rejection import speculative_rejection
 
 Solver = Callable[[list[str], int], list[dict[str, Any]]]
+
+# decoding function of each two-model method and the config keys it takes
+PAIR_METHODS: dict[str, tuple[Callable[..., list], tuple[str, ...]]] = {
+    "speculative_decode": (speculative_decode, ("gamma",)),
+    "contrastive_decode": (contrastive_decode, ("alpha", "beta")),
+    "speculative_contrastive_decode": (speculative_contrastive_decode, ("gamma", "alpha", "beta")),
+}
 
 
 def resolve_model(name: str, dtype: str) -> Model:
@@ -48,11 +57,20 @@ def build_solver(config: JobConfig) -> tuple[Solver, int]:
     sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat)
     if config.method == "generate":
-        check_positive_int("num_samples", config.num_samples)
         run: Callable[..., list] = lambda prompts, **kw: generate(
             model, prompts, num_samples=config.num_samples, **kw
         )
-        per_call = max(1, 64 // config.num_samples)
+        per_call = max(1, 64 // check_positive_int("num_samples", config.num_samples))
+    elif config.method in PAIR_METHODS:
+        if config.draft is None:
+            raise ValueError(f"draft: {config.method} needs a second model (the draft or amateur)")
+        second = resolve_model(config.draft, config.dtype)
+        decode, options = PAIR_METHODS[config.method]
+        extra = {name: getattr(config, name) for name in options}
+        run = lambda prompts, **kw: decode(
+            model, second, prompts, num_samples=config.num_samples, **extra, **kw
+        )
+        per_call = max(1, 64 // check_positive_int("num_samples", config.num_samples))
     else:
         reward = resolve_reward(config.reward, config.dtype)
         if config.method == "best_of_n":
