@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsr.decoding import pair
-from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_decode_args, to_sample
+from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_decode_args, to_results
 from jaxsr.decoding.pair import Contrast, Method, SpeculativeState
 from jaxsr.decoding.prompts import encode_prompts
 from jaxsr.decoding.sampler import _choose, _record
@@ -173,8 +173,4 @@ def contrastive_decode(
         max_rows=max_rows,
         prompt_offset=prompt_offset,
     )
-    wall = (time.perf_counter() - t0) / len(encoded)
-    return [
-        Result(prompt=prompt, samples=[to_sample(expert, r) for r in rows], stats={"wall_s": wall, **st})
-        for prompt, rows, st in zip(prompts, run.samples, run.stats, strict=True)
-    ]
+    return to_results(expert, prompts, run.samples, run.stats, (time.perf_counter() - t0) / len(encoded))

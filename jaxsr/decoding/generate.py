@@ -158,6 +158,20 @@ def to_sample(model: Model, raw: RawSample, score: float | None = None) -> Sampl
     )
 
 
+def to_results(
+    model: Model,
+    prompts: Sequence[Any],
+    samples: list[list[RawSample]],
+    stats: list[dict[str, Any]],
+    wall: float,
+) -> list[Result]:
+    """One `Result` per prompt from sampled rows (texts decoded with `model`'s tokenizer)."""
+    return [
+        Result(prompt=prompt, samples=[to_sample(model, r) for r in rows], stats={"wall_s": wall, **st})
+        for prompt, rows, st in zip(prompts, samples, stats, strict=True)
+    ]
+
+
 def generate(
     model: Model,
     prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -194,8 +208,4 @@ def generate(
         max_rows=max_rows,
         prompt_offset=prompt_offset,
     )
-    wall = (time.perf_counter() - t0) / len(encoded)
-    return [
-        Result(prompt=prompt, samples=[to_sample(model, r) for r in rows], stats={"wall_s": wall, **st})
-        for prompt, rows, st in zip(prompts, samples, stats, strict=True)
-    ]
+    return to_results(model, prompts, samples, stats, (time.perf_counter() - t0) / len(encoded))
