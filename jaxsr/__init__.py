@@ -5,7 +5,7 @@ from jaxsr.decoding.contrastive import contrastive_decode
 from jaxsr.decoding.generate import generate
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import speculative_contrastive_decode, speculative_decode
-from jaxsr.loading.api import load_model, load_reward_model
+from jaxsr.loading.api import load_model, load_reward_model, save_model
 from jaxsr.loading.encoder import load_encoder
 from jaxsr.models.encoder import EncoderModel
 from jaxsr.models.model import Model, RewardModel
@@ -26,6 +26,7 @@ __all__ = [
     "load_encoder",
     "load_model",
     "load_reward_model",
+    "save_model",
     "speculative_contrastive_decode",
     "speculative_decode",
     "speculative_rejection",

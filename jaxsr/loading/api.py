@@ -8,14 +8,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from jaxsr.loading import param_cache
-from jaxsr.loading.hf_config import decoder_config_from_hf
+from jaxsr.loading.hf_config import decoder_config_from_hf, hf_config_from_decoder
 from jaxsr.loading.params import place_params
-from jaxsr.loading.safetensors import CheckpointError, SafetensorsCheckpoint
-from jaxsr.loading.weights import convert_hf_tensors
+from jaxsr.loading.safetensors import CheckpointError, SafetensorsCheckpoint, write_safetensors
+from jaxsr.loading.weights import convert_hf_tensors, export_hf_tensors
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model, RewardModel
@@ -160,3 +162,29 @@ def load_reward_model(
             "*ForSequenceClassification reward model"
         )
     return model
+
+
+def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None = None) -> Path:
+    """Write `model` as a Hugging Face checkpoint directory (config.json, model.safetensors in the
+    parameters' dtype, generation_config.json, tokenizer files) that `load_model` and transformers read.
+
+    `pad_token_id` (default: the tokenizer's) goes into config.json; transformers' reward models need it.
+    """
+    if not isinstance(model, Model):
+        raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    params = {path: np.asarray(jax.device_get(leaf)) for path, leaf in nnx.to_flat_state(model.params)}
+    write_safetensors(directory / "model.safetensors", export_hf_tensors(model.config, params))
+    hf_config = hf_config_from_decoder(model.config)
+    eos = list(model.eos_token_ids)
+    if eos:
+        hf_config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+        (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(str(directory))
+        pad_token_id = model.tokenizer.pad_token_id if pad_token_id is None else pad_token_id
+    if pad_token_id is not None:
+        hf_config["pad_token_id"] = int(pad_token_id)
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+    return directory

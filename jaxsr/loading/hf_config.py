@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxsr.models.config import DecoderConfig, RopeScaling
@@ -111,3 +112,52 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         num_labels=_num_labels(hf),
         model_type=model_type,
     )
+
+
+_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt2": "GPT2"}
+
+
+def hf_config_from_decoder(cfg: DecoderConfig) -> dict[str, Any]:
+    """`DecoderConfig` → a Hugging Face `config.json` dict; `decoder_config_from_hf` reads it back."""
+    head = "ForSequenceClassification" if cfg.is_reward_model else "ForCausalLM"
+    if cfg.model_type == "gpt2" and not cfg.is_reward_model:
+        head = "LMHeadModel"
+    hf: dict[str, Any] = {
+        "model_type": cfg.model_type,
+        "architectures": [_CLASS_PREFIX[cfg.model_type] + head],
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+    }
+    if cfg.is_reward_model:
+        hf["num_labels"] = cfg.num_labels
+    if cfg.model_type == "gpt2":
+        activation = {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation)
+        return hf | {
+            "n_embd": cfg.hidden_size,
+            "n_layer": cfg.num_layers,
+            "n_head": cfg.num_heads,
+            "n_inner": cfg.intermediate_size,
+            "n_positions": cfg.max_position_embeddings,
+            "layer_norm_epsilon": cfg.norm_eps,
+            "activation_function": activation,
+        }
+    hf |= {
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
+        "mlp_bias": cfg.mlp_bias,
+        "rope_theta": cfg.rope_theta,
+    }
+    if cfg.model_type not in ("qwen2", "qwen3"):
+        if cfg.qkv_bias != cfg.out_bias:
+            raise ValueError("cfg: a Llama/Mistral config.json has one attention_bias for q/k/v and o")
+        hf["attention_bias"] = cfg.qkv_bias
+    if cfg.rope_scaling is not None:
+        hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    return hf

@@ -125,3 +125,28 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """Write `tensors` as one safetensors file, atomically (a temporary file renamed into place)."""
+    names = {np.dtype(v): k for k, v in DTYPES.items()}
+    header: dict[str, dict] = {}
+    offset = 0
+    arrays = {name: np.ascontiguousarray(t) for name, t in sorted(tensors.items())}
+    for name, array in arrays.items():
+        if array.dtype not in names:
+            raise TypeError(f"tensors: {name!r} has dtype {array.dtype}, which safetensors cannot hold")
+        header[name] = {
+            "dtype": names[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    partial = path.with_name(path.name + ".partial")
+    with partial.open("wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for array in arrays.values():
+            f.write(array.tobytes())
+    partial.replace(path)

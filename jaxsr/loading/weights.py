@@ -20,6 +20,8 @@ Path = tuple[str, ...]
 
 # Buffers some checkpoints carry that are not parameters.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+# Head tensors sit outside the `model.`/`transformer.` prefix in HF checkpoints.
+HEAD_PREFIXES = ("lm_head.", "score.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,14 +141,9 @@ def gpt2_rules(cfg: DecoderConfig) -> list[Rule]:
     return rules
 
 
-def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) -> dict[Path, np.ndarray]:
-    """HF-named tensors → {parameter path: array}, checking that every name is accounted for."""
-    gpt2 = cfg.model_type == "gpt2"
-    rules = gpt2_rules(cfg) if gpt2 else llama_rules(cfg)
-    anchor = rules[0].hf_name
-    prefix = next((p for p in ("model.", "transformer.", "") if p + anchor in tensors), None)
-    if prefix is None:
-        raise CheckpointError(f"missing tensor {anchor!r} (the token embedding)")
+def model_rules(cfg: DecoderConfig) -> list[Rule]:
+    """The body's rules plus the output head (a reward `score`, or an untied `lm_head`)."""
+    rules = gpt2_rules(cfg) if cfg.model_type == "gpt2" else llama_rules(cfg)
     d = cfg.hidden_size
     if cfg.is_reward_model:
         rules.append(
@@ -156,11 +153,21 @@ def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) ->
         rules.append(
             Rule("lm_head.weight", ("lm_head",), np.transpose, per_layer=False, shape=(cfg.vocab_size, d))
         )
+    return rules
+
+
+def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) -> dict[Path, np.ndarray]:
+    """HF-named tensors → {parameter path: array}, checking that every name is accounted for."""
+    rules = model_rules(cfg)
+    anchor = rules[0].hf_name
+    prefix = next((p for p in ("model.", "transformer.", "") if p + anchor in tensors), None)
+    if prefix is None:
+        raise CheckpointError(f"missing tensor {anchor!r} (the token embedding)")
 
     used: set[str] = set()
 
     def fetch(name: str, rule: Rule) -> np.ndarray:
-        full = name if name.startswith(("lm_head.", "score.")) else prefix + name
+        full = name if name.startswith(HEAD_PREFIXES) else prefix + name
         if full not in tensors:
             raise CheckpointError(f"missing tensor {full!r}")
         used.add(full)
@@ -186,3 +193,22 @@ def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) ->
     if unexpected:
         raise CheckpointError(f"unexpected tensor {sorted(unexpected)[0]!r} (not part of {cfg.model_type})")
     return params
+
+
+def export_hf_tensors(cfg: DecoderConfig, params: Mapping[Path, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of `convert_hf_tensors`: parameters → HF-named tensors (as `save_pretrained` names them).
+
+    Every rule is a pure rearrangement of its tensor, so it is inverted by pushing an index array through
+    the same transform; a fused tensor (GPT-2's c_attn: several rules, one name) is assembled from its parts.
+    """
+    prefix = "transformer." if cfg.model_type == "gpt2" else "model."
+    tensors: dict[str, np.ndarray] = {}
+    for rule in model_rules(cfg):
+        assert rule.shape is not None
+        index = rule.transform(np.arange(int(np.prod(rule.shape))).reshape(rule.shape))
+        value = np.asarray(params[rule.path])
+        for i in range(cfg.num_layers) if rule.per_layer else [None]:
+            name = rule.hf_name if rule.hf_name.startswith(HEAD_PREFIXES) else prefix + rule.hf_name
+            tensor = tensors.setdefault(name.format(i=i), np.zeros(rule.shape, value.dtype))
+            tensor.reshape(-1)[index] = value if i is None else value[i]
+    return tensors
