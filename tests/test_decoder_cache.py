@@ -106,10 +106,9 @@ def _garbage_rows(cfg: DecoderConfig, rows: int, capacity: int, seed: int = 7) -
     """An empty RowCache whose slots hold large random values (must never be attended)."""
     empty = RowCache.empty(cfg, rows, capacity)
     rng = np.random.default_rng(seed)
+    noise = lambda a: jnp.asarray(10.0 * rng.standard_normal(a.shape), jnp.float32)
     return RowCache(
-        k=jnp.asarray(10.0 * rng.standard_normal(empty.k.shape), jnp.float32),
-        v=jnp.asarray(10.0 * rng.standard_normal(empty.v.shape), jnp.float32),
-        length=jnp.zeros((rows,), jnp.int32),
+        k=tuple(map(noise, empty.k)), v=tuple(map(noise, empty.v)), length=jnp.zeros((rows,), jnp.int32)
     )
 
 
@@ -259,7 +258,8 @@ def test_prompt_cache_take_selects_prompts():
     _, direct = _prefill(graph, params, prompt_tokens[[2, 0]], prompt_mask[[2, 0]])
     assert sub.num_prompts == 2
     np.testing.assert_array_equal(np.asarray(sub.length), np.asarray(direct.length))
-    np.testing.assert_allclose(np.asarray(sub.k), np.asarray(direct.k), atol=1e-6)
+    for got, expected in zip(sub.k + sub.v, direct.k + direct.v, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,7 @@ def test_padding_does_not_change_real_positions(tiny):
 def test_sharded_load_matches_unsharded(tiny):
     directory, _, encoder = tiny
     sharded = load_encoder(directory, mesh=make_mesh(data=4, model=2))
-    spec = sharded.params["layers"]["attn"]["q"][...].sharding.spec
+    spec = sharded.params["layers"][0]["attn"]["q"][...].sharding.spec
     assert "model" in tuple(spec)  # heads split over the model axis
     tokens, mask, types = _padded_batch(lengths=(7, 4, 1, 3))
     np.testing.assert_allclose(

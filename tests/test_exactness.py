@@ -46,9 +46,10 @@ def contextual_model(seed: int) -> Model:
     bigram models, blind to the cache and positions whose handling these tests must check."""
     module = Decoder(tiny_config(**SMALL), rngs=nnx.Rngs(seed))
     module.lm_head[...] = module.lm_head[...] * 15.0
-    attn = module.blocks.attn
-    attn.v[...], attn.o[...] = attn.v[...] * 5.0, attn.o[...] * 5.0
-    attn.q[...], attn.k[...] = attn.q[...] * 3.0, attn.k[...] * 3.0
+    for block in module.blocks:
+        attn = block.attn
+        attn.v[...], attn.o[...] = attn.v[...] * 5.0, attn.o[...] * 5.0
+        attn.q[...], attn.k[...] = attn.q[...] * 3.0, attn.k[...] * 3.0
     return Model.from_module(module, name=f"contextual-{seed}")
 
 

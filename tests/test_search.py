@@ -115,12 +115,32 @@ def test_memory_derived_first_batch(lm):
     assert r.stats["initial_batch"] == 10 and r.stats["batch_sizes"][0] == 10
 
 
-def test_each_rung_compiles_once(lm):
+def test_each_rung_compiles_once():
+    """Compilations = distinct rungs visited (decode) and distinct rung transitions (compaction); calls
+    that revisit them compile nothing. Which rungs a call visits depends on its samples (EOS)."""
+    lm = tiny_model(seed=0, eos_token_ids=(5,), intermediate_size=40)  # a shape no other test compiles
     kwargs = dict(n=16, rejection_rate=0.5, max_new_tokens=24, memory_budget=16 + 16 * 8, min_first_segment=8)
-    jaxsr.speculative_rejection(lm, SelfLikelihood(), [[1, 2, 3]], seed=1, **kwargs)
-    sizes = (sampler.decode_loop._cache_size(), sampler.compact._cache_size())
-    jaxsr.speculative_rejection(lm, SelfLikelihood(), [[7, 8, 9, 10]], seed=2, **kwargs)
-    assert (sampler.decode_loop._cache_size(), sampler.compact._cache_size()) == sizes
+    calls = [([[1, 2, 3]], 1), ([[7, 8, 9, 10]], 2)]
+
+    def run_all() -> tuple[set, set]:
+        rungs, transitions = set(), set()
+        for prompts, seed in calls:
+            log = jaxsr.speculative_rejection(lm, SelfLikelihood(), prompts, seed=seed, **kwargs)[0]
+            shapes = [(x["batch_size"], x["kv_bytes"]) for x in log.stats["round_log"]]
+            rungs.update(shapes)
+            transitions.update(itertools.pairwise(shapes))
+        return rungs, transitions
+
+    def sizes() -> tuple[int, int]:
+        return sampler.decode_loop._cache_size(), sampler.compact._cache_size()
+
+    before = sizes()
+    rungs, transitions = run_all()
+    after = sizes()
+    assert len(rungs) >= 3 and len(transitions) >= 2
+    assert (after[0] - before[0], after[1] - before[1]) == (len(rungs), len(transitions))
+    run_all()
+    assert sizes() == after
 
 
 def test_decision_interval(lm):

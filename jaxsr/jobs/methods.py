@@ -28,11 +28,16 @@ PAIR_METHODS: dict[str, tuple[Callable[..., list], tuple[str, ...]]] = {
 
 
 def resolve_model(name: str, dtype: str) -> Model:
-    """`smollm2` names the embedded SmolLM2-135M-Instruct; anything else goes to `load_model`."""
+    """`smollm2` names the embedded SmolLM2-135M-Instruct and `smollm2-draft` its shipped draft/amateur;
+    anything else goes to `load_model`."""
     if name == "smollm2":
         from jaxsr.loading.gguf import smollm2_path
 
         return load_model(smollm2_path(), dtype=dtype)
+    if name == "smollm2-draft":
+        from jaxsr.loading.embedded import smollm2_draft_path
+
+        return load_model(smollm2_draft_path(), dtype=dtype)
     return load_model(name, dtype=dtype)
 
 

@@ -106,27 +106,27 @@ def bert_rules(cfg: EncoderConfig) -> list[Rule]:
         ),
         Rule(e + "LayerNorm.weight", ("embed_norm", "scale"), vector, per_layer=False),
         Rule(e + "LayerNorm.bias", ("embed_norm", "bias"), vector, per_layer=False),
-        Rule(a + "output.dense.weight", ("layers", "attn", "o"), _as((d, H * D), (H, D, d), linear=True)),
-        Rule(a + "output.dense.bias", ("layers", "attn", "o_bias"), vector),
-        Rule(a + "output.LayerNorm.weight", ("layers", "attn_norm", "scale"), vector),
-        Rule(a + "output.LayerNorm.bias", ("layers", "attn_norm", "bias"), vector),
-        Rule(L + "intermediate.dense.weight", ("layers", "mlp", "up"), _as((F, d), (d, F), linear=True)),
-        Rule(L + "intermediate.dense.bias", ("layers", "mlp", "up_bias"), _as((F,))),
-        Rule(L + "output.dense.weight", ("layers", "mlp", "down"), _as((d, F), (F, d), linear=True)),
-        Rule(L + "output.dense.bias", ("layers", "mlp", "down_bias"), vector),
-        Rule(L + "output.LayerNorm.weight", ("layers", "mlp_norm", "scale"), vector),
-        Rule(L + "output.LayerNorm.bias", ("layers", "mlp_norm", "bias"), vector),
+        Rule(a + "output.dense.weight", ("attn", "o"), _as((d, H * D), (H, D, d), linear=True)),
+        Rule(a + "output.dense.bias", ("attn", "o_bias"), vector),
+        Rule(a + "output.LayerNorm.weight", ("attn_norm", "scale"), vector),
+        Rule(a + "output.LayerNorm.bias", ("attn_norm", "bias"), vector),
+        Rule(L + "intermediate.dense.weight", ("mlp", "up"), _as((F, d), (d, F), linear=True)),
+        Rule(L + "intermediate.dense.bias", ("mlp", "up_bias"), _as((F,))),
+        Rule(L + "output.dense.weight", ("mlp", "down"), _as((d, F), (F, d), linear=True)),
+        Rule(L + "output.dense.bias", ("mlp", "down_bias"), vector),
+        Rule(L + "output.LayerNorm.weight", ("mlp_norm", "scale"), vector),
+        Rule(L + "output.LayerNorm.bias", ("mlp_norm", "bias"), vector),
     ]
     for hf, ours in (("query", "q"), ("key", "k"), ("value", "v")):
         weight = _as((H * D, d), (d, H, D), linear=True)
-        rules.append(Rule(a + f"self.{hf}.weight", ("layers", "attn", ours), weight))
-        rules.append(Rule(a + f"self.{hf}.bias", ("layers", "attn", f"{ours}_bias"), _as((H * D,), (H, D))))
+        rules.append(Rule(a + f"self.{hf}.weight", ("attn", ours), weight))
+        rules.append(Rule(a + f"self.{hf}.bias", ("attn", f"{ours}_bias"), _as((H * D,), (H, D))))
     return rules
 
 
 def convert_bert_tensors(
     cfg: EncoderConfig, tensors: Mapping[str, np.ndarray]
-) -> dict[tuple[str, ...], np.ndarray]:
+) -> dict[tuple[str | int, ...], np.ndarray]:
     """HF `BertModel` tensors (names with or without `bert.`) → {parameter path: array}.
 
     Every tensor must be used except the ignorable `IGNORED` ones; errors name the tensor.
@@ -145,11 +145,11 @@ def convert_bert_tensors(
         except CheckpointError as e:
             raise CheckpointError(f"tensor {full!r}: {e}") from None
 
-    params: dict[tuple[str, ...], np.ndarray] = {}
+    params: dict[tuple[str | int, ...], np.ndarray] = {}
     for rule in rules:
         if rule.per_layer:
-            layers = [fetch(rule.hf_name.format(i=i), rule.transform) for i in range(cfg.num_layers)]
-            params[rule.path] = np.stack(layers)
+            for i in range(cfg.num_layers):
+                params[("layers", i, *rule.path)] = fetch(rule.hf_name.format(i=i), rule.transform)
         else:
             params[rule.path] = fetch(rule.hf_name, rule.transform)
     ignored = {prefix + name for name in IGNORED}

@@ -34,16 +34,17 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from jaxsr.loading.params import path_name
 from jaxsr.sharding import param_sharding
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the converted parameter layout changes, so old entries are never read."""
 ENV_VAR = "JAXSR_CACHE_DIR"
 DISABLED = ("off", "0", "false", "no", "none")
 MIN_DIRECTORY_BYTES = 256 * 2**20
 """Safetensors directories smaller than this are not cached: converting them is already quick."""
 
-ParamPath = tuple[str, ...]
+ParamPath = tuple[str | int, ...]
 
 
 class CacheError(Exception):
@@ -122,7 +123,7 @@ class CacheEntry:
         """The module's parameter state, each array read straight onto its target device(s) and dtype."""
         graph, abstract = nnx.split(nnx.eval_shape(make_module))
         flat = nnx.to_flat_state(abstract)
-        expected = {"/".join(path): list(variable.shape) for path, variable in flat}
+        expected = {path_name(path): list(variable.shape) for path, variable in flat}
         stored = {name: shape for name, (shape, _) in self.arrays.items()}
         if stored != expected:
             self.discard()
@@ -134,7 +135,7 @@ class CacheEntry:
                 if mesh is not None
                 else SingleDeviceSharding(jax.devices()[0])
             )
-            floating = jnp.issubdtype(jnp.dtype(self.arrays["/".join(path)][1]), jnp.floating)
+            floating = jnp.issubdtype(jnp.dtype(self.arrays[path_name(path)][1]), jnp.floating)
             arg = ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype if floating else None)
             _nest(args, path, arg)
         try:
@@ -149,14 +150,15 @@ class CacheEntry:
 
 
 def _nest(tree: dict[str, Any], path: ParamPath, value: Any) -> None:
+    """Store `value` under `path` in nested dicts keyed by strings (layer indices included)."""
     for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
+        tree = tree.setdefault(str(key), {})
+    tree[str(path[-1])] = value
 
 
 def _get(tree: Mapping[str, Any], path: ParamPath) -> Any:
     for key in path:
-        tree = tree[key]
+        tree = tree[str(key)]
     return tree
 
 
@@ -229,7 +231,7 @@ def store(
             "fingerprint": _fingerprint(source),
             "hf_config": hf_config,
             "arrays": {
-                "/".join(path): {"shape": list(np.shape(a)), "dtype": np.asarray(a).dtype.name}
+                path_name(path): {"shape": list(np.shape(a)), "dtype": np.asarray(a).dtype.name}
                 for path, a in arrays.items()
             },
         }

@@ -14,6 +14,11 @@ from jaxsr.loading.safetensors import CheckpointError
 from jaxsr.sharding import param_sharding
 
 
+def path_name(path: tuple[str | int, ...]) -> str:
+    """'blocks/3/attn/q': a parameter path as text (error messages, cache keys)."""
+    return "/".join(map(str, path))
+
+
 def place_params(
     make_module, arrays: Mapping[tuple[str, ...], np.ndarray], dtype, mesh: Mesh | None
 ) -> tuple[nnx.GraphDef, nnx.State]:
@@ -27,15 +32,15 @@ def place_params(
     expected = {path for path, _ in flat}
     for path in arrays:
         if path not in expected:
-            raise CheckpointError(f"converted parameter {'/'.join(path)} has no place in the module")
+            raise CheckpointError(f"converted parameter {path_name(path)} has no place in the module")
     leaves = []
     for path, variable in flat:
         if path not in arrays:
-            raise CheckpointError(f"missing parameter {'/'.join(path)}")
+            raise CheckpointError(f"missing parameter {path_name(path)}")
         value = np.asarray(arrays[path])
         if value.shape != variable.shape:
             raise CheckpointError(
-                f"parameter {'/'.join(path)}: checkpoint shape {value.shape} != expected {variable.shape}"
+                f"parameter {path_name(path)}: checkpoint shape {value.shape} != expected {variable.shape}"
             )
         if value.dtype.kind == "f" or value.dtype == jnp.bfloat16:
             value = value.astype(jnp.dtype(dtype))

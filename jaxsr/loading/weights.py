@@ -1,4 +1,4 @@
-"""Map Hugging Face tensor names onto the decoder's stacked parameters.
+"""Map Hugging Face tensor names onto the decoder's parameters (one set per layer).
 
 Each rule names the HF tensor(s) it reads, the parameter path it fills, and how to reshape an HF
 `Linear` weight ([out, in]) or GPT-2 `Conv1D` weight ([in, out]) into the module's layout. Every
@@ -16,7 +16,7 @@ from jaxsr.loading.safetensors import CheckpointError
 from jaxsr.models.config import DecoderConfig
 
 Transform = Callable[[np.ndarray], np.ndarray]
-Path = tuple[str, ...]
+Path = tuple[str | int, ...]
 
 # Buffers some checkpoints carry that are not parameters.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -29,6 +29,7 @@ class Rule:
     hf_name: str
     """Name with `{i}` standing for the layer index when `per_layer`."""
     path: Path
+    """Parameter path; a per-layer rule's path continues after `(i)`."""
     transform: Transform
     per_layer: bool = True
     shape: tuple[int, ...] | None = None
@@ -60,39 +61,39 @@ def llama_rules(cfg: DecoderConfig) -> list[Rule]:
     rules = [
         Rule("embed_tokens.weight", ("embed",), _identity, per_layer=False, shape=(cfg.vocab_size, d)),
         Rule("norm.weight", ("final_norm", "scale"), _identity, per_layer=False, shape=(d,)),
-        Rule("layers.{i}.input_layernorm.weight", ("blocks", "attn_norm", "scale"), _identity, shape=(d,)),
+        Rule("layers.{i}.input_layernorm.weight", ("attn_norm", "scale"), _identity, shape=(d,)),
         Rule(
             "layers.{i}.post_attention_layernorm.weight",
-            ("blocks", "mlp_norm", "scale"),
+            ("mlp_norm", "scale"),
             _identity,
             shape=(d,),
         ),
-        Rule(a + "q_proj.weight", ("blocks", "attn", "q"), _linear(d, H, D), shape=(H * D, d)),
-        Rule(a + "k_proj.weight", ("blocks", "attn", "k"), _linear(d, K, D), shape=(K * D, d)),
-        Rule(a + "v_proj.weight", ("blocks", "attn", "v"), _linear(d, K, D), shape=(K * D, d)),
-        Rule(a + "o_proj.weight", ("blocks", "attn", "o"), _linear(H, D, d), shape=(d, H * D)),
-        Rule(m + "gate_proj.weight", ("blocks", "mlp", "gate"), _linear(d, F), shape=(F, d)),
-        Rule(m + "up_proj.weight", ("blocks", "mlp", "up"), _linear(d, F), shape=(F, d)),
-        Rule(m + "down_proj.weight", ("blocks", "mlp", "down"), _linear(F, d), shape=(d, F)),
+        Rule(a + "q_proj.weight", ("attn", "q"), _linear(d, H, D), shape=(H * D, d)),
+        Rule(a + "k_proj.weight", ("attn", "k"), _linear(d, K, D), shape=(K * D, d)),
+        Rule(a + "v_proj.weight", ("attn", "v"), _linear(d, K, D), shape=(K * D, d)),
+        Rule(a + "o_proj.weight", ("attn", "o"), _linear(H, D, d), shape=(d, H * D)),
+        Rule(m + "gate_proj.weight", ("mlp", "gate"), _linear(d, F), shape=(F, d)),
+        Rule(m + "up_proj.weight", ("mlp", "up"), _linear(d, F), shape=(F, d)),
+        Rule(m + "down_proj.weight", ("mlp", "down"), _linear(F, d), shape=(d, F)),
     ]
     if cfg.qkv_bias:
         rules += [
-            Rule(a + "q_proj.bias", ("blocks", "attn", "q_bias"), _linear(H, D), shape=(H * D,)),
-            Rule(a + "k_proj.bias", ("blocks", "attn", "k_bias"), _linear(K, D), shape=(K * D,)),
-            Rule(a + "v_proj.bias", ("blocks", "attn", "v_bias"), _linear(K, D), shape=(K * D,)),
+            Rule(a + "q_proj.bias", ("attn", "q_bias"), _linear(H, D), shape=(H * D,)),
+            Rule(a + "k_proj.bias", ("attn", "k_bias"), _linear(K, D), shape=(K * D,)),
+            Rule(a + "v_proj.bias", ("attn", "v_bias"), _linear(K, D), shape=(K * D,)),
         ]
     if cfg.out_bias:
-        rules.append(Rule(a + "o_proj.bias", ("blocks", "attn", "o_bias"), _identity, shape=(d,)))
+        rules.append(Rule(a + "o_proj.bias", ("attn", "o_bias"), _identity, shape=(d,)))
     if cfg.mlp_bias:
         rules += [
-            Rule(m + "gate_proj.bias", ("blocks", "mlp", "gate_bias"), _identity, shape=(F,)),
-            Rule(m + "up_proj.bias", ("blocks", "mlp", "up_bias"), _identity, shape=(F,)),
-            Rule(m + "down_proj.bias", ("blocks", "mlp", "down_bias"), _identity, shape=(d,)),
+            Rule(m + "gate_proj.bias", ("mlp", "gate_bias"), _identity, shape=(F,)),
+            Rule(m + "up_proj.bias", ("mlp", "up_bias"), _identity, shape=(F,)),
+            Rule(m + "down_proj.bias", ("mlp", "down_bias"), _identity, shape=(d,)),
         ]
     if cfg.qk_norm:
         rules += [
-            Rule(a + "q_norm.weight", ("blocks", "attn", "q_norm", "scale"), _identity, shape=(D,)),
-            Rule(a + "k_norm.weight", ("blocks", "attn", "k_norm", "scale"), _identity, shape=(D,)),
+            Rule(a + "q_norm.weight", ("attn", "q_norm", "scale"), _identity, shape=(D,)),
+            Rule(a + "k_norm.weight", ("attn", "k_norm", "scale"), _identity, shape=(D,)),
         ]
     return rules
 
@@ -108,24 +109,22 @@ def gpt2_rules(cfg: DecoderConfig) -> list[Rule]:
         ),
         Rule("ln_f.weight", ("final_norm", "scale"), _identity, per_layer=False, shape=(d,)),
         Rule("ln_f.bias", ("final_norm", "bias"), _identity, per_layer=False, shape=(d,)),
-        Rule(h + "ln_1.weight", ("blocks", "attn_norm", "scale"), _identity, shape=(d,)),
-        Rule(h + "ln_1.bias", ("blocks", "attn_norm", "bias"), _identity, shape=(d,)),
-        Rule(h + "ln_2.weight", ("blocks", "mlp_norm", "scale"), _identity, shape=(d,)),
-        Rule(h + "ln_2.bias", ("blocks", "mlp_norm", "bias"), _identity, shape=(d,)),
-        Rule(
-            h + "attn.c_proj.weight", ("blocks", "attn", "o"), lambda w: w.reshape(H, D, d), shape=(H * D, d)
-        ),
-        Rule(h + "attn.c_proj.bias", ("blocks", "attn", "o_bias"), _identity, shape=(d,)),
-        Rule(h + "mlp.c_fc.weight", ("blocks", "mlp", "up"), _identity, shape=(d, F)),
-        Rule(h + "mlp.c_fc.bias", ("blocks", "mlp", "up_bias"), _identity, shape=(F,)),
-        Rule(h + "mlp.c_proj.weight", ("blocks", "mlp", "down"), _identity, shape=(F, d)),
-        Rule(h + "mlp.c_proj.bias", ("blocks", "mlp", "down_bias"), _identity, shape=(d,)),
+        Rule(h + "ln_1.weight", ("attn_norm", "scale"), _identity, shape=(d,)),
+        Rule(h + "ln_1.bias", ("attn_norm", "bias"), _identity, shape=(d,)),
+        Rule(h + "ln_2.weight", ("mlp_norm", "scale"), _identity, shape=(d,)),
+        Rule(h + "ln_2.bias", ("mlp_norm", "bias"), _identity, shape=(d,)),
+        Rule(h + "attn.c_proj.weight", ("attn", "o"), lambda w: w.reshape(H, D, d), shape=(H * D, d)),
+        Rule(h + "attn.c_proj.bias", ("attn", "o_bias"), _identity, shape=(d,)),
+        Rule(h + "mlp.c_fc.weight", ("mlp", "up"), _identity, shape=(d, F)),
+        Rule(h + "mlp.c_fc.bias", ("mlp", "up_bias"), _identity, shape=(F,)),
+        Rule(h + "mlp.c_proj.weight", ("mlp", "down"), _identity, shape=(F, d)),
+        Rule(h + "mlp.c_proj.bias", ("mlp", "down_bias"), _identity, shape=(d,)),
     ]
     for part, name in enumerate("qkv"):
         rules.append(
             Rule(
                 h + "attn.c_attn.weight",
-                ("blocks", "attn", name),
+                ("attn", name),
                 _columns(part, 3, d, H, D),
                 shape=(d, 3 * H * D),
             )
@@ -133,7 +132,7 @@ def gpt2_rules(cfg: DecoderConfig) -> list[Rule]:
         rules.append(
             Rule(
                 h + "attn.c_attn.bias",
-                ("blocks", "attn", f"{name}_bias"),
+                ("attn", f"{name}_bias"),
                 _columns(part, 3, H, D),
                 shape=(3 * H * D,),
             )
@@ -182,8 +181,8 @@ def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) ->
     params: dict[Path, np.ndarray] = {}
     for rule in rules:
         if rule.per_layer:
-            layers = [fetch(rule.hf_name.format(i=i), rule) for i in range(cfg.num_layers)]
-            params[rule.path] = np.stack(layers)
+            for i in range(cfg.num_layers):
+                params[("blocks", i, *rule.path)] = fetch(rule.hf_name.format(i=i), rule)
         else:
             params[rule.path] = fetch(rule.hf_name, rule)
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -206,9 +205,9 @@ def export_hf_tensors(cfg: DecoderConfig, params: Mapping[Path, np.ndarray]) -> 
     for rule in model_rules(cfg):
         assert rule.shape is not None
         index = rule.transform(np.arange(int(np.prod(rule.shape))).reshape(rule.shape))
-        value = np.asarray(params[rule.path])
+        name = rule.hf_name if rule.hf_name.startswith(HEAD_PREFIXES) else prefix + rule.hf_name
         for i in range(cfg.num_layers) if rule.per_layer else [None]:
-            name = rule.hf_name if rule.hf_name.startswith(HEAD_PREFIXES) else prefix + rule.hf_name
+            value = np.asarray(params[rule.path if i is None else ("blocks", i, *rule.path)])
             tensor = tensors.setdefault(name.format(i=i), np.zeros(rule.shape, value.dtype))
-            tensor.reshape(-1)[index] = value if i is None else value[i]
+            tensor.reshape(-1)[index] = value
     return tensors

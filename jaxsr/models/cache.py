@@ -3,12 +3,15 @@
 A prompt is prefilled once and its keys/values are stored once in a `PromptCache`; the rows sampled from
 it (N candidates per prompt) keep only their generated tokens in a `RowCache` and attend to both.
 
-Layout: keys are stored transposed, [layers, rows, kv_heads, head_dim, slots], and values as
-[layers, rows, kv_heads, slots, head_dim], so both attention products are plain batched matmuls over
-(row, head) with no transpose of the cache in the decode step.
+Each layer has its own arrays (a tuple over layers), so a decode step reads and updates them in place.
+Keys are stored transposed, [rows, kv_heads, head_dim, slots], and values as [rows, kv_heads, slots,
+head_dim], so both attention products are plain batched matmuls over (row, head) with no transpose of the
+cache in the decode step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +19,16 @@ from flax import struct
 
 from jaxsr.models.config import DecoderConfig
 
+Layers = tuple[jax.Array, ...]
+
 
 @struct.dataclass
 class PromptCache:
-    """Keys [layers, prompts, kv_heads, head_dim, S] and values [layers, prompts, kv_heads, S, head_dim]
-    of left-padded prompts."""
+    """Per layer: keys [prompts, kv_heads, head_dim, S] and values [prompts, kv_heads, S, head_dim] of
+    left-padded prompts."""
 
-    k: jax.Array
-    v: jax.Array
+    k: Layers
+    v: Layers
     mask: jax.Array
     """[prompts, S] bool, False on left padding."""
     length: jax.Array
@@ -31,75 +36,78 @@ class PromptCache:
 
     @property
     def num_prompts(self) -> int:
-        return self.k.shape[1]
+        return self.mask.shape[0]
 
     def take(self, index: jax.Array) -> PromptCache:
         """The cache of the prompts at `index` (used to bring one prompt's KV to a search job)."""
         return PromptCache(
-            k=self.k[:, index], v=self.v[:, index], mask=self.mask[index], length=self.length[index]
+            k=tuple(k[index] for k in self.k),
+            v=tuple(v[index] for v in self.v),
+            mask=self.mask[index],
+            length=self.length[index],
         )
 
 
 @struct.dataclass
 class RowCache:
-    """Per-row keys [layers, rows, kv_heads, head_dim, capacity] and values [..., capacity, head_dim] of
-    generated tokens.
+    """Per layer: keys [rows, kv_heads, head_dim, capacity] and values [rows, kv_heads, capacity, head_dim]
+    of generated tokens.
 
     Row b's slots [0, length[b]) are valid; rolling back (rejected speculative tokens) or freezing a row
     is done by its `length` alone, never by clearing memory.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: Layers
+    v: Layers
     length: jax.Array
 
     @classmethod
     def empty(
         cls, config: DecoderConfig, rows: int, capacity: int, dtype: jnp.dtype = jnp.float32
     ) -> RowCache:
-        L, K, D = config.num_layers, config.num_kv_heads, config.head_dim
+        K, D = config.num_kv_heads, config.head_dim
+        layers = range(config.num_layers)
         return cls(
-            k=jnp.zeros((L, rows, K, D, capacity), dtype),
-            v=jnp.zeros((L, rows, K, capacity, D), dtype),
+            k=tuple(jnp.zeros((rows, K, D, capacity), dtype) for _ in layers),
+            v=tuple(jnp.zeros((rows, K, capacity, D), dtype) for _ in layers),
             length=jnp.zeros((rows,), jnp.int32),
         )
 
     @classmethod
     def empty_like(cls, prompt: PromptCache, rows: int, capacity: int) -> RowCache:
         """An empty cache for `rows` rows decoding from `prompt` (same model, dtype and layout)."""
-        L, _, K, D, _ = prompt.k.shape
         return cls(
-            k=jnp.zeros((L, rows, K, D, capacity), prompt.k.dtype),
-            v=jnp.zeros((L, rows, K, capacity, D), prompt.v.dtype),
+            k=tuple(jnp.zeros((rows, *k.shape[1:3], capacity), k.dtype) for k in prompt.k),
+            v=tuple(jnp.zeros((rows, v.shape[1], capacity, v.shape[3]), v.dtype) for v in prompt.v),
             length=jnp.zeros((rows,), jnp.int32),
         )
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[-1]
+        return self.k[0].shape[-1]
 
-    def write(self, k: jax.Array, v: jax.Array) -> RowCache:
-        """Store new keys/values [layers, rows, T, kv_heads, head_dim] at slots length + [0, T).
+    def write(self, k: Sequence[jax.Array], v: Sequence[jax.Array]) -> RowCache:
+        """Store each layer's new keys/values [rows, T, kv_heads, head_dim] at slots length + [0, T).
 
         Slots past the capacity are dropped; `length` is left to the caller. Inside a jitted loop whose
         state is donated this is an in-place scatter of only the new entries."""
-        L, B, T = k.shape[:3]
-        slots = (self.length[:, None] + jnp.arange(T)[None, :])[None, :, :]
-        rows = jnp.arange(B)[None, :, None]
-        layers = jnp.arange(L)[:, None, None]
-        # advanced indices (layer, row, slot) come first in the indexed shape: [L, B, T, K, D]
-        new_k = self.k.at[layers, rows, :, :, slots].set(k, mode="drop")
-        new_v = self.v.at[layers, rows, :, slots].set(v, mode="drop")
-        return RowCache(k=new_k, v=new_v, length=self.length)
+        B, T = k[0].shape[:2]
+        slots = self.length[:, None] + jnp.arange(T)[None, :]
+        rows = jnp.arange(B)[:, None]
+        # advanced indices (row, slot) come first in the indexed shape: [B, T, K, D]
+        return RowCache(
+            k=tuple(
+                old.at[rows, :, :, slots].set(new, mode="drop") for old, new in zip(self.k, k, strict=True)
+            ),
+            v=tuple(old.at[rows, :, slots].set(new, mode="drop") for old, new in zip(self.v, v, strict=True)),
+            length=self.length,
+        )
 
     def take(self, index: jax.Array, capacity: int | None = None) -> RowCache:
         """Rows at `index` (compaction), optionally with a new slot capacity (kept slots are unchanged)."""
-        k, v = self.k[:, index], self.v[:, index]
         capacity = self.capacity if capacity is None else capacity
-        if capacity < self.capacity:
-            k, v = k[..., :capacity], v[:, :, :, :capacity]
-        elif capacity > self.capacity:
-            extra = capacity - self.capacity
-            k = jnp.pad(k, [(0, 0)] * 4 + [(0, extra)])
-            v = jnp.pad(v, [(0, 0)] * 3 + [(0, extra), (0, 0)])
+        keep = min(capacity, self.capacity)
+        extra = max(capacity - self.capacity, 0)
+        k = tuple(jnp.pad(k[index][..., :keep], [(0, 0)] * 3 + [(0, extra)]) for k in self.k)
+        v = tuple(jnp.pad(v[index][:, :, :keep], [(0, 0)] * 2 + [(0, extra), (0, 0)]) for v in self.v)
         return RowCache(k=k, v=v, length=self.length[index])

@@ -1,8 +1,8 @@
 """A BERT encoder (`BertModel`, e.g. all-MiniLM-L6-v2) as a Flax NNX module, and its loaded wrapper.
 
 Used for embedding-similarity rewards. Layers are post-norm BERT layers with bidirectional attention
-over the non-pad tokens (through the decoder's `attend`). As in the decoder, layer parameters are
-stacked on a leading [layers] axis and run under `lax.scan`, so one layer body is compiled.
+over the non-pad tokens (through the decoder's `attend`). As in the decoder, each layer owns its weights
+and the layer loop is unrolled.
 
 Sentence embeddings follow the sentence-transformers pipeline of all-MiniLM-L6-v2 (its modules.json:
 Transformer → Pooling(mean) → Normalize): masked mean of the last hidden states, then L2 normalisation.
@@ -58,16 +58,16 @@ class EncoderConfig:
 class SelfAttention(nnx.Module):
     """Multi-head attention with biased projections; every query sees every visible key."""
 
-    def __init__(self, cfg: EncoderConfig, *, stack: tuple[int, ...], dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: EncoderConfig, *, dtype, rngs: nnx.Rngs):
         d, H, D = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-        self.q = param(rngs, (*stack, d, H, D), dtype)
-        self.k = param(rngs, (*stack, d, H, D), dtype)
-        self.v = param(rngs, (*stack, d, H, D), dtype)
-        self.o = param(rngs, (*stack, H, D, d), dtype)
-        self.q_bias = param(rngs, (*stack, H, D), dtype)
-        self.k_bias = param(rngs, (*stack, H, D), dtype)
-        self.v_bias = param(rngs, (*stack, H, D), dtype)
-        self.o_bias = param(rngs, (*stack, d), dtype)
+        self.q = param(rngs, (d, H, D), dtype)
+        self.k = param(rngs, (d, H, D), dtype)
+        self.v = param(rngs, (d, H, D), dtype)
+        self.o = param(rngs, (H, D, d), dtype)
+        self.q_bias = param(rngs, (H, D), dtype)
+        self.k_bias = param(rngs, (H, D), dtype)
+        self.v_bias = param(rngs, (H, D), dtype)
+        self.o_bias = param(rngs, (d), dtype)
         self.scale = D**-0.5
 
     def __call__(self, x: jax.Array, visible: jax.Array) -> jax.Array:
@@ -80,13 +80,13 @@ class SelfAttention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    def __init__(self, cfg: EncoderConfig, *, stack: tuple[int, ...], dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: EncoderConfig, *, dtype, rngs: nnx.Rngs):
         d, F = cfg.hidden_size, cfg.intermediate_size
         self.activation = cfg.activation
-        self.up = param(rngs, (*stack, d, F), dtype)
-        self.up_bias = param(rngs, (*stack, F), dtype)
-        self.down = param(rngs, (*stack, F, d), dtype)
-        self.down_bias = param(rngs, (*stack, d), dtype)
+        self.up = param(rngs, (d, F), dtype)
+        self.up_bias = param(rngs, (F), dtype)
+        self.down = param(rngs, (F, d), dtype)
+        self.down_bias = param(rngs, (d), dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = ACTIVATIONS[self.activation](x @ self.up[...] + self.up_bias[...])
@@ -94,14 +94,14 @@ class FeedForward(nnx.Module):
 
 
 class Layer(nnx.Module):
-    """One post-norm BERT layer; built with `stack=(layers,)` it holds all layers' weights."""
+    """One post-norm BERT layer."""
 
-    def __init__(self, cfg: EncoderConfig, *, stack: tuple[int, ...] = (), dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: EncoderConfig, *, dtype, rngs: nnx.Rngs):
         norm = dict(kind="layer", eps=cfg.layer_norm_eps, dtype=dtype)
-        self.attn = SelfAttention(cfg, stack=stack, dtype=dtype, rngs=rngs)
-        self.attn_norm = Norm((*stack, cfg.hidden_size), **norm)
-        self.mlp = FeedForward(cfg, stack=stack, dtype=dtype, rngs=rngs)
-        self.mlp_norm = Norm((*stack, cfg.hidden_size), **norm)
+        self.attn = SelfAttention(cfg, dtype=dtype, rngs=rngs)
+        self.attn_norm = Norm((cfg.hidden_size), **norm)
+        self.mlp = FeedForward(cfg, dtype=dtype, rngs=rngs)
+        self.mlp_norm = Norm((cfg.hidden_size), **norm)
 
     def __call__(self, x: jax.Array, visible: jax.Array) -> jax.Array:
         x = self.attn_norm(x + self.attn(x, visible))
@@ -109,7 +109,7 @@ class Layer(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    """Word + position + token-type embeddings with LayerNorm, then the stacked layers."""
+    """Word + position + token-type embeddings with LayerNorm, then the layers."""
 
     def __init__(self, config: EncoderConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         cfg = self.config = config
@@ -118,7 +118,7 @@ class Encoder(nnx.Module):
         self.pos_embed = param(rngs, (cfg.max_position_embeddings, d), dtype)
         self.type_embed = param(rngs, (cfg.type_vocab_size, d), dtype)
         self.embed_norm = Norm((d,), kind="layer", eps=cfg.layer_norm_eps, dtype=dtype)
-        self.layers = Layer(cfg, stack=(cfg.num_layers,), dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([Layer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
 
     def __call__(self, tokens: jax.Array, mask: jax.Array, token_types: jax.Array | None = None) -> jax.Array:
         """tokens, mask (1 = real token), token_types: [B, T] → last hidden states [B, T, d].
@@ -135,12 +135,8 @@ class Encoder(nnx.Module):
         )
         x = self.embed_norm(x)
         visible = jnp.broadcast_to(mask.astype(bool)[:, None, :], (tokens.shape[0], T, T))
-        graph, stacked = nnx.split(self.layers)
-
-        def layer(x, layer_state):
-            return nnx.merge(graph, layer_state)(x, visible), None
-
-        x, _ = jax.lax.scan(layer, x, stacked)
+        for layer in self.layers:
+            x = layer(x, visible)
         return x
 
     def sentence_embeddings(

@@ -1,0 +1,16 @@
+"""Checkpoints shipped inside the jaxsr package itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SMOLLM2_DRAFT = "smollm2-draft"
+
+
+def smollm2_draft_path() -> Path:
+    """The draft/amateur distilled from SmolLM2-135M-Instruct (same tokenizer) for SD/SCD and CD; it is
+    trained by scripts/train_draft.py and shipped as an HF checkpoint directory."""
+    path = Path(__file__).resolve().parent.parent / "assets" / SMOLLM2_DRAFT
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: the shipped SmolLM2 draft checkpoint is missing")
+    return path
