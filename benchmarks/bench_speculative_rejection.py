@@ -35,7 +35,6 @@ from jaxsr.jobs.runner import read_prompts
 from jaxsr.ladder import bucket
 from jaxsr.loading.gguf import smollm2_path
 from jaxsr.search.candidates import score_rows
-from jaxsr.search.memory import slot_bytes
 
 
 def paper_score(best: np.ndarray, base_best: np.ndarray, base_worst: np.ndarray) -> float:
@@ -109,7 +108,7 @@ def measure(lm, reward, prompt: str, i: int, args, common: dict[str, Any]) -> di
         record["base_round"] = {
             "batch_size": base_n,
             "end_token": args.max_new_tokens,
-            "kv_bytes": budget * slot_bytes(lm),
+            "kv_bytes": budget * lm.kv_slot_bytes,
             "step_ms": 1e3 * base.stats["decode_s"] / max(1, steps // base_n),
         }
     return record

@@ -2,6 +2,12 @@
 contrastive decoding)."""
 
 from jaxsr.decoding.contrastive import contrastive_decode
+from jaxsr.decoding.decoders import (
+    PairDecoder,
+    contrastive_decoder,
+    speculative_contrastive_decoder,
+    speculative_decoder,
+)
 from jaxsr.decoding.generate import generate
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import speculative_contrastive_decode, speculative_decode
@@ -16,18 +22,22 @@ from jaxsr.search.speculative_rejection import speculative_rejection
 __all__ = [
     "EncoderModel",
     "Model",
+    "PairDecoder",
     "Result",
     "RewardModel",
     "Sample",
     "SamplingConfig",
     "best_of_n",
     "contrastive_decode",
+    "contrastive_decoder",
     "generate",
     "load_encoder",
     "load_model",
     "load_reward_model",
     "save_model",
     "speculative_contrastive_decode",
+    "speculative_contrastive_decoder",
     "speculative_decode",
+    "speculative_decoder",
     "speculative_rejection",
 ]

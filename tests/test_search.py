@@ -11,7 +11,7 @@ from tiny import tiny_model
 import jaxsr
 from jaxsr.decoding import sampler
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.search.memory import parse_bytes, slot_bytes
+from jaxsr.search.memory import parse_bytes
 from jaxsr.search.speculative_rejection import batch_ladder, keep_mask
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
@@ -101,7 +101,7 @@ def test_batch_shrinks_and_memory_stays_within_budget(lm, sr_run):
         sizes = r.stats["batch_sizes"]
         assert sizes[0] == 32 and r.stats["rounds"] >= 2
         assert all(b < a for a, b in itertools.pairwise(sizes))
-        assert max(r.stats["kv_bytes"]) <= budget * slot_bytes(lm)
+        assert max(r.stats["kv_bytes"]) <= budget * lm.kv_slot_bytes
         # the prompt is prefilled once: generator forwards = prompt bucket + decode rows
         decode = sum(x["steps"] * x["batch_size"] for x in r.stats["round_log"])
         assert r.stats["token_forwards"]["generator"] == 16 + decode

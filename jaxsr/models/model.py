@@ -84,6 +84,11 @@ class Model:
     def dtype(self) -> jnp.dtype:
         return jax.tree.leaves(self.params)[0].dtype
 
+    @property
+    def kv_slot_bytes(self) -> int:
+        """Bytes of K and V that one token position takes in this model's cache."""
+        return self.config.kv_bytes_per_token(jnp.dtype(self.dtype).itemsize)
+
     def check_tokens(self, tokens: jax.Array) -> None:
         if int(tokens.max(initial=0)) >= self.config.vocab_size or int(tokens.min(initial=0)) < 0:
             raise ValueError(f"token_ids: ids must lie in [0, {self.config.vocab_size})")

@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_sampling, check_seed, sample_many
-from jaxsr.decoding.prompts import check_context, check_positive_int, encode_prompts
+from jaxsr.decoding.decoders import PairDecoder, as_engine
+from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_sampling, check_seed
+from jaxsr.decoding.prompts import check_positive_int, encode_prompts
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
@@ -20,7 +21,7 @@ from jaxsr.search.memory import budget_slots
 
 
 def best_of_n(
-    model: Model,
+    model: Model | PairDecoder,
     reward: Any,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
@@ -35,19 +36,21 @@ def best_of_n(
 ) -> list[Result]:
     """N samples per prompt, all scored; `Result.best` is the argmax, `Result.samples` all N.
 
-    With a `memory_budget` (KV token slots or bytes) the N rows are decoded in chunks that fit it."""
-    if not isinstance(model, Model):
-        raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
+    `model` is a language model or a two-model decoder (`jaxsr.speculative_decoder` etc.). With a
+    `memory_budget` (KV token slots or bytes) the N rows are decoded in chunks that fit it."""
+    sampling = check_sampling(sampling)
+    engine = as_engine(model, sampling)
     reward = as_reward(reward)
     n = check_positive_int("n", n)
     max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
-    sampling, seed = check_sampling(sampling), check_seed(seed)
-    encoded = encode_prompts(model, prompts, chat=chat)
-    check_context(model, encoded, max_new_tokens)
+    seed = check_seed(seed)
+    lm = engine.model
+    encoded = encode_prompts(lm, prompts, chat=chat)
+    engine.check_context(encoded, max_new_tokens)
     max_rows = DEFAULT_MAX_ROWS
     if memory_budget is not None:
-        slots = budget_slots(memory_budget, model)
-        per_row = bucket(max_new_tokens)
+        slots = budget_slots(memory_budget, engine.slot_bytes)
+        per_row = bucket(max_new_tokens) + engine.headroom
         prompt_slots = bucket(max(map(len, encoded)))
         if slots < prompt_slots + per_row:
             raise ValueError(
@@ -55,24 +58,22 @@ def best_of_n(
             )
         max_rows = max(1, 1 << ((slots - prompt_slots) // per_row).bit_length() - 1)
     t0 = time.perf_counter()
-    raw, stats = sample_many(
-        model,
-        encoded,
+    options = dict(
         num_samples=n,
         max_new_tokens=max_new_tokens,
-        sampling=sampling,
         seed=seed,
         stop_token_ids=stop_token_ids,
         max_rows=max_rows,
         prompt_offset=prompt_offset,
     )
+    raw, stats = engine.sample(encoded, **options)
     sample_s = time.perf_counter() - t0
     results = []
     for prompt, ids, rows, st in zip(prompts, encoded, raw, stats, strict=True):
         t1 = time.perf_counter()
         forwards_before = reward.token_forwards
         scores, texts = score_rows(
-            model,
+            lm,
             reward,
             prompt,
             ids,

@@ -6,8 +6,6 @@ import re
 
 import jax
 
-from jaxsr.models.model import Model
-
 _UNITS = {
     "": 1,
     "B": 1,
@@ -32,11 +30,6 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-def slot_bytes(model: Model) -> int:
-    """Bytes of K and V one token position takes in the model's cache."""
-    return model.config.kv_bytes_per_token(model.dtype.itemsize)
-
-
 def device_free_bytes() -> int | None:
     """Free memory of the first accelerator, or None where the backend does not report it (CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
@@ -45,13 +38,14 @@ def device_free_bytes() -> int | None:
     return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
 
 
-def budget_slots(memory_budget: int | str | None, model: Model, fallback_slots: int | None = None) -> int:
-    """The budget as token slots. `None` derives it from free device memory (parameters are already
-    resident, so they are excluded); where the device cannot tell (CPU), `fallback_slots` is used."""
+def budget_slots(memory_budget: int | str | None, slot_bytes: int, fallback_slots: int | None = None) -> int:
+    """The budget as token slots of `slot_bytes` each (one position in every cache of the decoder).
+    `None` derives it from free device memory (parameters are already resident, so they are excluded);
+    where the device cannot tell (CPU), `fallback_slots` is used."""
     if memory_budget is None:
         free = device_free_bytes()
         if free is not None:
-            return int(free * DEVICE_HEADROOM) // slot_bytes(model)
+            return int(free * DEVICE_HEADROOM) // slot_bytes
         if fallback_slots is None:
             raise ValueError(
                 "memory_budget: required on CPU (the device reports no free memory); "
@@ -65,7 +59,7 @@ def budget_slots(memory_budget: int | str | None, model: Model, fallback_slots: 
             raise ValueError(f"memory_budget: expected a positive slot count, got {memory_budget}")
         return memory_budget
     if isinstance(memory_budget, str):
-        return parse_bytes(memory_budget) // slot_bytes(model)
+        return parse_bytes(memory_budget) // slot_bytes
     raise TypeError(
         f"memory_budget: expected an int, a size string or None, got {type(memory_budget).__name__}"
     )

@@ -12,6 +12,11 @@ cache (no re-tokenisation, no truncation to the shortest row) and padding is nev
 When the keep rule leaves more unfinished rows than a smaller rung can hold (possible when finished
 responses from earlier rounds sit in the pool), the lowest-ranked extra rows are also stopped, since
 the cache could not grow otherwise; `Result.stats["forced_rejections"]` counts them.
+
+The rows may be decoded by a two-model decoder (`jaxsr.speculative_decoder` etc.): the budget then
+counts positions in both models' caches, each row keeps the decoder's look-ahead headroom (γ+1 slots)
+past its segment, and a speculative step may carry a row up to γ tokens past a decision point (its
+partial response is scored as it stands).
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsr.decoding.decoders import Engine, PairDecoder, as_engine
 from jaxsr.decoding.generate import check_sampling, check_seed, stop_id_matrix
-from jaxsr.decoding.prompts import check_context, check_positive_int, encode_prompts, left_pad
-from jaxsr.decoding.sampler import compact, decode_loop, init_state, prefill
+from jaxsr.decoding.prompts import check_positive_int, encode_prompts, left_pad
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
@@ -34,7 +39,7 @@ from jaxsr.results import Result, Sample
 from jaxsr.rewards import as_reward
 from jaxsr.rewards.base import Reward
 from jaxsr.search.candidates import best, score_rows
-from jaxsr.search.memory import budget_slots, slot_bytes
+from jaxsr.search.memory import budget_slots
 
 Rule = Literal["keep_fraction", "quantile"]
 SLOT_ALIGN = 8  # row-cache lengths are multiples of this, bounding the compiled shapes
@@ -79,7 +84,9 @@ def _check_rate(rejection_rate: Any) -> float:
 
 
 class _Plan:
-    """Memory plan for one prompt: first batch, ladder, and each rung's row-cache length."""
+    """Memory plan for one prompt: first batch, ladder, and each rung's row-cache length.
+
+    A row of a rung takes `capacity(rows)` slots for its segment plus `headroom` look-ahead slots."""
 
     def __init__(
         self,
@@ -89,25 +96,28 @@ class _Plan:
         n: int | None,
         rate: float,
         min_segment: int,
+        headroom: int = 0,
     ):
-        self.budget, self.prompt_slots = budget, prompt_slots
+        self.budget, self.prompt_slots, self.headroom = budget, prompt_slots, headroom
         self.max_slots = bucket(max_new_tokens)
         room = budget - prompt_slots
-        if room < min_segment:
+        per_row = min_segment + headroom
+        if room < per_row:
             raise ValueError(
                 f"memory_budget: {budget} KV slots cannot hold one row (prompt {prompt_slots} + "
-                f"first segment {min_segment})"
+                f"first segment {min_segment} + look-ahead {headroom})"
             )
-        first = n if n is not None else room // min_segment
-        if first * min_segment > room:
+        first = n if n is not None else room // per_row
+        if first * per_row > room:
             raise ValueError(
                 f"memory_budget: {budget} KV slots cannot start n={first} rows "
-                f"({prompt_slots} prompt + {first}×{min_segment} first-segment slots)"
+                f"({prompt_slots} prompt + {first}×{per_row} first-segment and look-ahead slots)"
             )
         self.ladder = batch_ladder(first, rate)
 
     def capacity(self, rows: int) -> int:
-        room = (self.budget - self.prompt_slots) // rows
+        """Segment slots per row at a rung of `rows` rows (the headroom comes on top)."""
+        room = (self.budget - self.prompt_slots) // rows - self.headroom
         return min(
             self.max_slots, max(SLOT_ALIGN, room // SLOT_ALIGN * SLOT_ALIGN) if room >= SLOT_ALIGN else room
         )
@@ -122,7 +132,7 @@ class _Plan:
 
 
 def speculative_rejection(
-    model: Model,
+    model: Model | PairDecoder,
     reward: Any,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
@@ -140,9 +150,10 @@ def speculative_rejection(
     prompt_offset: int = 0,
 ) -> list[Result]:
     """Speculative Rejection per prompt; `rejection_rate=0` with a budget that holds all n rows is
-    exactly `best_of_n` with the same seed. See the module docstring for the algorithm."""
-    if not isinstance(model, Model):
-        raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
+    exactly `best_of_n` with the same seed. `model` is a language model or a two-model decoder. See
+    the module docstring for the algorithm."""
+    sampling = check_sampling(sampling)
+    engine = as_engine(model, sampling)
     reward = as_reward(reward)
     rate = _check_rate(rejection_rate)
     if n is not None:
@@ -153,24 +164,23 @@ def speculative_rejection(
         decision_interval = check_positive_int("decision_interval", decision_interval)
     if rule not in ("keep_fraction", "quantile"):
         raise ValueError(f"rule: expected 'keep_fraction' or 'quantile', got {rule!r}")
-    sampling, seed = check_sampling(sampling), check_seed(seed)
-    encoded = encode_prompts(model, prompts, chat=chat)
-    check_context(model, encoded, max_new_tokens)
+    seed = check_seed(seed)
+    encoded = encode_prompts(engine.model, prompts, chat=chat)
+    engine.check_context(encoded, max_new_tokens)
     results = []
     for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
         prompt_slots = bucket(len(ids))
-        fallback = None if n is None else prompt_slots + n * bucket(max_new_tokens)
-        budget = budget_slots(memory_budget, model, fallback_slots=fallback)
-        plan = _Plan(budget, prompt_slots, max_new_tokens, n, rate, min_first_segment)
+        fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + engine.headroom)
+        budget = budget_slots(memory_budget, engine.slot_bytes, fallback_slots=fallback)
+        plan = _Plan(budget, prompt_slots, max_new_tokens, n, rate, min_first_segment, engine.headroom)
         results.append(
             _one_prompt(
-                model,
+                engine,
                 reward,
                 prompt,
                 ids,
                 plan,
                 max_new_tokens,
-                sampling,
                 seed,
                 rate,
                 rule,
@@ -183,13 +193,12 @@ def speculative_rejection(
 
 
 def _one_prompt(
-    model: Model,
+    engine: Engine,
     reward: Reward,
     prompt: Any,
     ids: list[int],
     plan: _Plan,
     max_new_tokens: int,
-    sampling: SamplingConfig,
     seed: int,
     rate: float,
     rule: Rule,
@@ -200,20 +209,19 @@ def _one_prompt(
     timings = dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
     t_start = time.perf_counter()
     reward_before = reward.token_forwards
+    model = engine.model
     tokens, mask = left_pad([ids], 1, plan.prompt_slots)
-    last_logits, prompt_cache = prefill(model.graph, model.params, jnp.asarray(tokens), jnp.asarray(mask))
-    jax.block_until_ready(last_logits)
+    prefilled = engine.prefill(jnp.asarray(tokens), jnp.asarray(mask))
+    jax.block_until_ready(prefilled)
     timings["prefill_s"] = time.perf_counter() - t_start
-    generator_forwards = plan.prompt_slots
+    forwards = dict.fromkeys(engine.roles, plan.prompt_slots)
 
     rows = plan.ladder[0]
-    state = init_state(
-        last_logits,
-        prompt_cache,
+    state = engine.init_state(
+        prefilled,
         samples_per_prompt=rows,
         capacity=plan.max_slots,
-        cache_capacity=plan.capacity(rows),
-        sampling=sampling,
+        cache_capacity=plan.capacity(rows) + plan.headroom,
         seed=np.uint32(seed),
         prompt_ids=jnp.asarray([prompt_id], jnp.int32),
         sample_ids=jnp.arange(rows, dtype=jnp.int32),
@@ -225,34 +233,31 @@ def _one_prompt(
     round_log: list[dict[str, Any]] = []
     forced = 0
     generated = 1
+    calls_before = dict.fromkeys(engine.roles, 0)
     while True:
-        capacity = state.rows.capacity
-        pause = min(max_new_tokens, capacity + 1)
+        base = engine.base(state)
+        slots = base.rows.capacity  # segment + look-ahead headroom
+        pause = min(max_new_tokens, slots - plan.headroom + 1)
         if interval is not None:
             pause = min(pause, generated + interval)
         t0 = time.perf_counter()
-        live = int(np.asarray(state.alive).sum())
-        state = decode_loop(
-            model.graph,
-            model.params,
-            state,
-            prompt_cache,
-            sampling=sampling,
-            pause_at=jnp.asarray(pause, jnp.int32),
-        )
+        live = int(np.asarray(base.alive).sum())
+        state = engine.decode_loop(state, prefilled, jnp.asarray(pause, jnp.int32))
+        base = engine.base(state)
         host = jax.device_get(
             (
-                state.tokens,
-                state.num_generated,
-                state.finished,
-                state.done,
-                state.alive,
-                state.logprob_sum,
-                state.sample_id,
-                state.steps,
+                base.tokens,
+                base.num_generated,
+                base.finished,
+                base.done,
+                base.alive,
+                base.logprob_sum,
+                base.sample_id,
+                base.steps,
+                engine.calls(state),
             )
         )
-        buf, num, finished, done, alive, logprob, sample_id, steps = host
+        buf, num, finished, done, alive, logprob, sample_id, steps, calls = host
         decode_s = time.perf_counter() - t0
         timings["decode_s"] += decode_s
         batch = len(alive)
@@ -264,11 +269,13 @@ def _one_prompt(
                 "batch_size": batch,
                 "live_rows": live,
                 "steps": int(steps) - steps_before,
-                "kv_bytes": (plan.prompt_slots + batch * capacity) * slot_bytes(model),
+                "kv_bytes": (plan.prompt_slots + batch * slots) * engine.slot_bytes,
                 "decode_s": decode_s,
             }
         )
-        generator_forwards += (int(steps) - steps_before) * batch
+        for role, total in calls.items():
+            forwards[role] += (int(total) - calls_before[role]) * batch
+        calls_before = {role: int(total) for role, total in calls.items()}
         generated = int(num[alive].max(initial=generated))
 
         # score every live row of this round (partial or complete)
@@ -310,8 +317,8 @@ def _one_prompt(
         t2 = time.perf_counter()
         index = np.array(survivors + [survivors[0]] * (rung - len(survivors)), np.int32)
         alive_next = np.arange(rung) < len(survivors)
-        state = compact(
-            state, jnp.asarray(index), jnp.asarray(alive_next), cache_capacity=plan.capacity(rung)
+        state = engine.compact(
+            state, jnp.asarray(index), jnp.asarray(alive_next), plan.capacity(rung) + plan.headroom
         )
         timings["compaction_s"] += time.perf_counter() - t2
 
@@ -321,7 +328,7 @@ def _one_prompt(
         "wall_s": wall,
         **timings,
         "host_s": wall - sum(timings.values()),
-        "token_forwards": {"generator": generator_forwards, "reward": reward.token_forwards - reward_before},
+        "token_forwards": {**forwards, "reward": reward.token_forwards - reward_before},
         "rounds": len(round_log),
         "batch_sizes": [r["live_rows"] for r in round_log],
         "kv_bytes": [r["kv_bytes"] for r in round_log],

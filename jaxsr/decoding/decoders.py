@@ -1,0 +1,225 @@
+"""Decoders that search procedures drive in place of a single model.
+
+`best_of_n` and `speculative_rejection` take a `Model` (plain sampling) or a `PairDecoder` built by
+`speculative_decoder`, `contrastive_decoder` or `speculative_contrastive_decoder`, so Speculative
+Rejection over speculative-contrastive decoding is one call. A search procedure sees either through the
+same `Engine` operations — prefill, init, decode until a pause, compact survivors — over a state whose
+`base` is the plain sampler's `DecodeState` (tokens, flags, log-probabilities, random-stream ids).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Literal
+
+import jax
+
+from jaxsr.decoding import pair, sampler
+from jaxsr.decoding.contrastive import ContrastiveDecoding, ContrastKind, make_contrast
+from jaxsr.decoding.generate import RawSample, sample_many
+from jaxsr.decoding.prompts import check_context, check_positive_int
+from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.decoding.speculative import SpeculativeDecoding
+from jaxsr.models.model import Model
+
+PairKind = Literal["speculative", "contrastive", "speculative_contrastive"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PairDecoder:
+    """Two models decoding as one: `target` (the expert, or SD's target) and `second` (the amateur
+    or the draft), sharing a vocabulary. Build it with the functions below."""
+
+    kind: PairKind
+    target: Model
+    second: Model
+    gamma: int = 1
+    contrast: pair.Contrast | None = None
+    """Contrast weights (None for plain speculative decoding)."""
+
+    @property
+    def roles(self) -> tuple[str, str]:
+        """`token_forwards` keys of (target, second)."""
+        return ("generator", "draft") if self.contrast is None else ("expert", "amateur")
+
+    def method(self, sampling: SamplingConfig) -> pair.Method:
+        if self.kind == "contrastive":
+            return ContrastiveDecoding(sampling)
+        return SpeculativeDecoding(sampling, gamma=self.gamma)
+
+    @property
+    def weights(self) -> pair.Contrast:
+        return pair.Contrast.unused() if self.contrast is None else self.contrast
+
+
+def speculative_decoder(target: Model, draft: Model, *, gamma: int = 4) -> PairDecoder:
+    """Speculative decoding: samples exactly from `target`, `draft` proposing γ tokens per call."""
+    pair.check_pair(target, draft, ("target", "draft"))
+    return PairDecoder("speculative", target, draft, gamma=check_positive_int("gamma", gamma))
+
+
+def contrastive_decoder(
+    expert: Model,
+    amateur: Model,
+    *,
+    alpha: float = 0.1,
+    beta: float = 0.5,
+    contrast: ContrastKind = "obrien",
+    tau: float = 1.0,
+) -> PairDecoder:
+    """Contrastive decoding (expert and amateur step together every token)."""
+    pair.check_pair(expert, amateur, ("expert", "amateur"))
+    weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
+    return PairDecoder("contrastive", expert, amateur, contrast=weights)
+
+
+def speculative_contrastive_decoder(
+    expert: Model,
+    amateur: Model,
+    *,
+    gamma: int = 4,
+    alpha: float = 0.1,
+    beta: float = 0.5,
+    contrast: ContrastKind = "obrien",
+    tau: float = 1.0,
+) -> PairDecoder:
+    """Speculative contrastive decoding: exactly contrastive decoding's distribution, the amateur
+    drafting γ tokens per expert call."""
+    pair.check_pair(expert, amateur, ("expert", "amateur"))
+    weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
+    gamma = check_positive_int("gamma", gamma)
+    return PairDecoder("speculative_contrastive", expert, amateur, gamma=gamma, contrast=weights)
+
+
+class Engine(abc.ABC):
+    """The operations a search procedure runs on a decoder (all jitted underneath).
+
+    `model` is the model whose tokenizer, EOS ids and log-probabilities the samples carry; `headroom`
+    the row-cache slots a step may write past a row's budget; `slot_bytes` the bytes one token
+    position takes in all of the decoder's caches."""
+
+    model: Model
+    roles: tuple[str, ...]
+    headroom: int
+    slot_bytes: int
+
+    def check_context(self, encoded: list[list[int]], max_new_tokens: int) -> None:
+        check_context(self.model, encoded, max_new_tokens)
+
+    @abc.abstractmethod
+    def sample(self, encoded: list[list[int]], **options: Any) -> tuple[list[list[RawSample]], list[dict]]:
+        """Whole responses to encoded prompts: (samples per prompt, stats per prompt); `options` as
+        `generate.sample_many`'s, less the sampling."""
+
+    @abc.abstractmethod
+    def prefill(self, tokens: jax.Array, mask: jax.Array) -> Any:
+        """Prefill left-padded prompts once: (last-position logits, prompt caches)."""
+
+    @abc.abstractmethod
+    def init_state(self, prefilled: Any, **rows: Any) -> Any:
+        """The decode state of new rows (keywords as `sampler.init_state`, `cache_capacity` included)."""
+
+    @abc.abstractmethod
+    def decode_loop(self, state: Any, prefilled: Any, pause_at: jax.Array) -> Any:
+        """Decode until every row is done or has `pause_at` tokens (the state is donated)."""
+
+    @abc.abstractmethod
+    def compact(self, state: Any, index: jax.Array, alive: jax.Array, cache_capacity: int) -> Any:
+        """Gather the rows at `index` into a new batch whose caches have `cache_capacity` slots."""
+
+    @abc.abstractmethod
+    def base(self, state: Any) -> sampler.DecodeState:
+        """The plain sampler state inside `state` (tokens, flags, log-probabilities, row cache)."""
+
+    @abc.abstractmethod
+    def calls(self, state: Any) -> dict[str, jax.Array]:
+        """Per role, token positions run per row so far (decode steps × positions per step)."""
+
+
+class PlainEngine(Engine):
+    def __init__(self, model: Model, sampling: SamplingConfig):
+        self.model, self.sampling = model, sampling
+        self.roles, self.headroom, self.slot_bytes = ("generator",), 0, model.kv_slot_bytes
+
+    def sample(self, encoded, **options):
+        return sample_many(self.model, encoded, sampling=self.sampling, **options)
+
+    def prefill(self, tokens, mask):
+        return sampler.prefill(self.model.graph, self.model.params, tokens, mask)
+
+    def init_state(self, prefilled, **rows):
+        logits, prompt = prefilled
+        return sampler.init_state(logits, prompt, sampling=self.sampling, **rows)
+
+    def decode_loop(self, state, prefilled, pause_at):
+        m = self.model
+        return sampler.decode_loop(
+            m.graph, m.params, state, prefilled[1], sampling=self.sampling, pause_at=pause_at
+        )
+
+    def compact(self, state, index, alive, cache_capacity):
+        return sampler.compact(state, index, alive, cache_capacity=cache_capacity)
+
+    def base(self, state):
+        return state
+
+    def calls(self, state):
+        return {"generator": state.steps}
+
+
+class PairEngine(Engine):
+    def __init__(self, decoder: PairDecoder, sampling: SamplingConfig):
+        self.decoder, self.model = decoder, decoder.target
+        self.method = decoder.method(sampling)
+        self.roles, self.headroom = decoder.roles, self.method.headroom
+        self.slot_bytes = decoder.target.kv_slot_bytes + decoder.second.kv_slot_bytes
+        self.graphs = (decoder.target.graph, decoder.second.graph)
+        self.params = (decoder.target.params, decoder.second.params)
+
+    def check_context(self, encoded, max_new_tokens):
+        pair.check_pair_context(self.decoder.target, self.decoder.second, encoded, max_new_tokens)
+
+    def sample(self, encoded, **options):
+        d = self.decoder
+        run = pair.decode_pairs(
+            self.method, d.weights, d.target, d.second, encoded, roles=self.roles, **options
+        )
+        return run.samples, run.stats
+
+    def prefill(self, tokens, mask):
+        t_logits, t_prompt = sampler.prefill(self.graphs[0], self.params[0], tokens, mask)
+        d_logits, d_prompt = sampler.prefill(self.graphs[1], self.params[1], tokens, mask)
+        return (t_logits, d_logits), (t_prompt, d_prompt)
+
+    def init_state(self, prefilled, **rows):
+        (t_logits, d_logits), prompts = prefilled
+        return pair.init_state(t_logits, d_logits, prompts, self.decoder.weights, method=self.method, **rows)
+
+    def decode_loop(self, state, prefilled, pause_at):
+        weights = self.decoder.weights
+        return pair.decode_loop(
+            self.graphs, self.params, state, prefilled[1], weights, method=self.method, pause_at=pause_at
+        )
+
+    def compact(self, state, index, alive, cache_capacity):
+        return pair.compact(state, index, alive, cache_capacity=cache_capacity)
+
+    def base(self, state):
+        return state.base
+
+    def calls(self, state):
+        target, second = self.roles
+        return {target: state.base.steps * self.method.target_positions, second: state.draft_steps}
+
+
+def as_engine(decoder: Any, sampling: SamplingConfig) -> Engine:
+    """The engine of a `Model` or a `PairDecoder` (the search functions' `model` argument)."""
+    if isinstance(decoder, PairDecoder):
+        return PairEngine(decoder, sampling)
+    if isinstance(decoder, Model) and not decoder.config.is_reward_model:
+        return PlainEngine(decoder, sampling)
+    raise TypeError(
+        "model: expected a jaxsr.Model (language model) or a decoder from jaxsr.speculative_decoder / "
+        f"contrastive_decoder / speculative_contrastive_decoder, got {type(decoder).__name__}"
+    )
