@@ -406,3 +406,38 @@ def test_two_model_jobs_need_a_draft(job, capsys):
     path, output = job
     assert cli("run", str(path), "method=speculative_decode", "limit=1") == 2
     assert "draft" in capsys.readouterr().err and not output.exists()
+
+
+@pytest.mark.slow
+def test_speculative_rejection_over_a_decoder_job(job):
+    path, output = job
+    model = yaml.safe_load(path.read_text())["model"]  # the amateur is the same tiny model here
+    overrides = [
+        "method=speculative_rejection",
+        "reward=self_likelihood",
+        "decoder=speculative_contrastive",
+        f"draft={model}",
+        "gamma=2",
+        "n=4",
+        "memory_budget=160",
+        "max_new_tokens=24",
+        "limit=1",
+    ]
+    assert cli("run", str(path), *overrides) == 0
+    header, (record,) = read_jsonl(output)
+    assert header["config"]["decoder"] == "speculative_contrastive"
+    assert set(record["stats"]["token_forwards"]) == {"expert", "amateur", "reward"}
+    check_best(record)
+
+
+@pytest.mark.parametrize(
+    "overrides, name",
+    [
+        (["decoder=beam"], "decoder"),
+        (["method=best_of_n", "reward=self_likelihood", "n=2", "decoder=speculative"], "draft"),
+    ],
+)
+def test_search_decoder_settings_are_checked(job, capsys, overrides, name):
+    path, output = job
+    assert cli("run", str(path), "limit=1", *overrides) == 2
+    assert f"{name}:" in capsys.readouterr().err and not output.exists()

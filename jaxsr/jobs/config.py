@@ -21,6 +21,8 @@ METHODS = (
     "speculative_contrastive_decode",
 )
 
+DECODERS = ("speculative", "contrastive", "speculative_contrastive")
+
 
 @dataclasses.dataclass
 class JobConfig:
@@ -42,7 +44,11 @@ class JobConfig:
     num_samples: int = 1
     n: int | None = None
     draft: str | None = None
-    """The second model of speculative_decode (draft) and (speculative_)contrastive_decode (amateur)."""
+    """The second model of speculative_decode (draft) and (speculative_)contrastive_decode (amateur),
+    or of the `decoder` that best_of_n / speculative_rejection search over."""
+    decoder: str | None = None
+    """best_of_n / speculative_rejection over `speculative`, `contrastive` or `speculative_contrastive`
+    decoding of (model, draft) instead of plain sampling."""
     gamma: int = 4
     alpha: float = 0.1
     beta: float = 0.5
@@ -65,6 +71,8 @@ class JobConfig:
             if not any(_is_instance(value, t) for t in allowed):
                 names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
                 raise ValueError(f"{field.name}: expected {names}, got {value!r}")
+        if self.decoder is not None and self.decoder not in DECODERS:
+            raise ValueError(f"decoder: expected one of {DECODERS} or None, got {self.decoder!r}")
         for name in ("limit", "n"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxsr.decoding.contrastive import contrastive_decode
+from jaxsr.decoding.decoders import contrastive_decoder, speculative_contrastive_decoder, speculative_decoder
 from jaxsr.decoding.generate import generate
 from jaxsr.decoding.prompts import check_positive_int
 from jaxsr.decoding.sampling import SamplingConfig
@@ -24,6 +25,12 @@ PAIR_METHODS: dict[str, tuple[Callable[..., list], tuple[str, ...]]] = {
     "speculative_decode": (speculative_decode, ("gamma",)),
     "contrastive_decode": (contrastive_decode, ("alpha", "beta")),
     "speculative_contrastive_decode": (speculative_contrastive_decode, ("gamma", "alpha", "beta")),
+}
+# decoder builder of each `decoder` choice for the search methods, and the config keys it takes
+SEARCH_DECODERS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
+    "speculative": (speculative_decoder, ("gamma",)),
+    "contrastive": (contrastive_decoder, ("alpha", "beta")),
+    "speculative_contrastive": (speculative_contrastive_decoder, ("gamma", "alpha", "beta")),
 }
 
 
@@ -78,6 +85,12 @@ def build_solver(config: JobConfig) -> tuple[Solver, int]:
         per_call = max(1, 64 // check_positive_int("num_samples", config.num_samples))
     else:
         reward = resolve_reward(config.reward, config.dtype)
+        if config.decoder is not None:
+            if config.draft is None:
+                raise ValueError(f"draft: decoder={config.decoder} needs a second model (draft/amateur)")
+            build, options = SEARCH_DECODERS[config.decoder]
+            extra = {name: getattr(config, name) for name in options}
+            model = build(model, resolve_model(config.draft, config.dtype), **extra)
         if config.method == "best_of_n":
             if config.n is None:
                 raise ValueError("n: best_of_n needs n")
