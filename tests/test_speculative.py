@@ -178,7 +178,7 @@ def test_statistics_count_the_work_and_predict_the_speedup(target, draft):
     )
     st = out[0].stats
     for key in ("wall_s", "decode_s", "acceptance_rate", "tokens_per_target_call", "cost_ratio",
-                "expected_speedup", "speedup", "baseline_decode_s"):  # fmt: skip
+                "verify_cost_ratio", "expected_speedup", "speedup", "baseline_decode_s"):  # fmt: skip
         assert st[key] is not None and st[key] >= 0, key
     # each prompt: its row of the 16-token prefill bucket, then its share of the 2-row batch's calls
     # ((γ+1) positions per row per target call); the loop ran as long as the slower row
@@ -188,9 +188,16 @@ def test_statistics_count_the_work_and_predict_the_speedup(target, draft):
     produced = len(out[0].samples[0].token_ids) - 1
     assert st["tokens_per_target_call"] == pytest.approx(produced / st["target_calls"])
     assert st["accepted_tokens"] + st["target_calls"] >= produced  # budget cuts the last call short
-    lam, c = st["acceptance_rate"], st["cost_ratio"]
-    assert st["expected_speedup"] == pytest.approx((1 - lam**4) / ((1 - lam) * (1 + 3 * c + c * lam**3)))
+    lam, c, v = st["acceptance_rate"], st["cost_ratio"], st["verify_cost_ratio"]
+    assert st["expected_speedup"] == pytest.approx((1 - lam**4) / ((1 - lam) * (v + 3 * c + c * lam**3)))
     assert pair.expected_speedup(1.0, 3, 0.0) == 4.0
+    # Leviathan et al.: λ = 0.8, γ = 4, c = 0.1 → (1 − 0.8⁵) / (0.2 · (1 + 0.4 + 0.1·0.8⁴)) ≈ 2.30 (v = 1);
+    # against contrastive decoding (1 + c per token) the same step gains 10% more
+    assert pair.expected_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * (1.4 + 0.1 * 0.8**4)))
+    assert pair.expected_speedup(0.8, 4, 0.1, 1.0, 1.1) == pytest.approx(
+        1.1 * pair.expected_speedup(0.8, 4, 0.1)
+    )
+    assert pair.expected_speedup(0.5, 2, 0.2, 2.0) < pair.expected_speedup(0.5, 2, 0.2)
 
 
 def test_a_second_call_in_the_same_buckets_compiles_nothing(target, draft):

@@ -450,12 +450,18 @@ def acceptance_stats(rows: list[RowStats]) -> dict[str, Any]:
     }
 
 
-def expected_speedup(acceptance: float, gamma: int, cost_ratio: float) -> float:
-    """(1−λ^{γ+1}) / ((1−λ)(1 + cγ + cλ^γ)): expected speed-up over target-only decoding when the
-    draft costs c target calls per token and one extra draft call follows a fully accepted draft."""
+def expected_speedup(
+    acceptance: float, gamma: int, cost_ratio: float, verify_ratio: float = 1.0, baseline_cost: float = 1.0
+) -> float:
+    """Expected speed-up of speculative steps over a baseline that spends `baseline_cost` 1-token target
+    calls per token: E[tokens per step] · baseline_cost / (cγ + v + cλ^γ), with E[tokens per step] =
+    (1−λ^{γ+1}) / (1−λ), c = draft call / target call, v = verification call (γ+1 positions) / target
+    call, and one extra draft call after a fully accepted draft. With v = 1 and baseline_cost = 1 this is
+    Leviathan et al.'s formula; v > 1 where the γ+1 positions do not run in parallel for free (CPUs),
+    and contrastive decoding as the baseline costs 1 + c (both models every token)."""
     lam, c = acceptance, cost_ratio
     tokens = gamma + 1 if lam >= 1 else (1 - lam ** (gamma + 1)) / (1 - lam)
-    return tokens / (1 + c * gamma + c * lam**gamma)
+    return tokens * baseline_cost / (c * gamma + verify_ratio + c * lam**gamma)
 
 
 @partial(jax.jit, static_argnums=0)
@@ -464,9 +470,11 @@ def _probe(graph: nnx.GraphDef, params: nnx.State, tokens: jax.Array, prompt: Pr
     return forward(graph, params, tokens, index, prompt, rows)[0]
 
 
-def measure_cost_ratio(target: Model, draft: Model, run: Run, gamma: int, repeats: int = 3) -> float | None:
-    """c = time of one draft call (1 token per row) / one verification call (γ+1 tokens per row),
-    on the last batch's shapes; best of `repeats` after a warm-up."""
+def measure_call_costs(
+    target: Model, draft: Model, run: Run, gamma: int, repeats: int = 3
+) -> tuple[float, float] | None:
+    """(c, v): one draft call (1 token per row) and one verification call (γ+1 tokens per row), each
+    relative to one 1-token target call, timed on the last batch's shapes (best of `repeats`)."""
     if run.probe is None:
         return None
     target_shapes, draft_shapes, t_prompt, d_prompt = run.probe
@@ -485,9 +493,12 @@ def measure_cost_ratio(target: Model, draft: Model, run: Run, gamma: int, repeat
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    t_draft = best(draft, d_prompt, draft_rows, 1)
-    t_target = best(target, t_prompt, target_rows, gamma + 1)
-    return t_draft / t_target if t_target > 0 else None
+    t_step = best(target, t_prompt, target_rows, 1)
+    if t_step <= 0:
+        return None
+    return best(draft, d_prompt, draft_rows, 1) / t_step, best(
+        target, t_prompt, target_rows, gamma + 1
+    ) / t_step
 
 
 def finite_or_none(x: float | None) -> float | None:

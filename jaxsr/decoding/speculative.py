@@ -225,7 +225,8 @@ def _speculative(
     method = SpeculativeDecoding(sampling, gamma=gamma)
     run = pair.decode_pairs(method, weights, target, draft, encoded, roles=roles, **options)
     wall = (time.perf_counter() - t0) / len(encoded)
-    cost = pair.measure_cost_ratio(target, draft, run, gamma) if measure_cost else None
+    costs = pair.measure_call_costs(target, draft, run, gamma) if measure_cost else None
+    cost, verify = costs if costs is not None else (None, None)
     speedup = base_s = None
     if baseline:
         reference = ContrastiveDecoding(sampling, use_amateur=contrastive)
@@ -237,10 +238,13 @@ def _speculative(
     for prompt, rows, counters, st in zip(prompts, run.samples, run.rows, run.stats, strict=True):
         acc = pair.acceptance_stats(counters)
         lam = acc["acceptance_rate"]
-        stats = {"wall_s": wall, **st, "gamma": gamma, **acc, "cost_ratio": cost}
-        stats["expected_speedup"] = (
-            pair.finite_or_none(pair.expected_speedup(lam, gamma, cost)) if lam is not None and cost else None
-        )
+        stats = {"wall_s": wall, **st, "gamma": gamma, **acc, "cost_ratio": cost, "verify_cost_ratio": verify}
+        stats["expected_speedup"] = None
+        if lam is not None and cost is not None:
+            # against the method's own baseline: the target alone (SD) or contrastive decoding (SCD)
+            baseline_cost = 1 + cost if contrastive else 1.0
+            predicted = pair.expected_speedup(lam, gamma, cost, verify, baseline_cost)
+            stats["expected_speedup"] = pair.finite_or_none(predicted)
         if baseline:
             stats["baseline_decode_s"] = base_s / len(encoded)
             stats["speedup"] = speedup
@@ -267,9 +271,11 @@ def speculative_decode(
 ) -> list[Result]:
     """Samples from `target` (after `sampling`'s processing) exactly, drafting γ tokens per target call.
 
-    `Result.stats`: acceptance_rate λ, tokens_per_target_call, cost_ratio c (measured: one draft call /
-    one verification call), expected_speedup (1−λ^{γ+1}) / ((1−λ)(1 + cγ + cλ^γ)); with
-    `baseline=True` also plain target sampling is run and timed: baseline_decode_s and speedup.
+    `Result.stats`: acceptance_rate λ, tokens_per_target_call, cost_ratio c (one draft call / one
+    1-token target call) and verify_cost_ratio v (one (γ+1)-token verification call / one 1-token target
+    call), both measured on this call's shapes, and expected_speedup (see `pair.expected_speedup`:
+    (1−λ^{γ+1}) / ((1−λ)(v + cγ + cλ^γ)), Leviathan et al.'s formula when v = 1); with `baseline=True`
+    also plain target sampling is run and timed: baseline_decode_s and speedup.
     `token_forwards` has "generator" (the target) and "draft". Prompts are encoded with the target's
     tokenizer and stop on its EOS ids."""
     pair.check_pair(target, draft, ("target", "draft"))
@@ -304,7 +310,8 @@ def speculative_contrastive_decode(
 ) -> list[Result]:
     """Samples exactly from `contrastive_decode`'s distribution, the amateur drafting γ tokens per
     expert call (it is both the draft and the contrast). Stats as `speculative_decode`, with
-    `token_forwards` keys "expert" and "amateur"; the baseline is `contrastive_decode`."""
+    `token_forwards` keys "expert" and "amateur"; the baseline is `contrastive_decode`, which costs
+    1 + c target calls per token, so expected_speedup is (1+c)·E[tokens per step] / (v + cγ + cλ^γ)."""
     pair.check_pair(expert, amateur, ("expert", "amateur"))
     weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
     return _speculative(
