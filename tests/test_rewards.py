@@ -315,24 +315,37 @@ def check_best(result: jaxsr.Result) -> None:
 
 
 @pytest.mark.slow
+def template_ids(tokenizer, prompt: str) -> tuple[list[int], list[int]]:
+    """(the template's ids before the assistant's content, the ids after it)."""
+    marker = "\ue000"
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": marker}]
+    before, _, after = tokenizer.apply_chat_template(messages, tokenize=False).partition(marker)
+    return tuple(tokenizer(part, add_special_tokens=False)["input_ids"] for part in (before, after))
+
+
 def test_best_of_n_with_classifier_reward(bon, rm, smol_tokenizer):
-    # each score is the reward of [user: the prompt text, assistant: the decoded response]
-    rendered = [
-        [rendered_ids(smol_tokenizer, p, s.text) for s in r.samples]
-        for p, r in zip(PROMPTS, bon, strict=True)
-    ]
-    flat = [ids for rows in rendered for ids in rows]
-    expected = np.asarray(rm.scores(*left_padded(flat))).reshape(len(PROMPTS), N)
-    for result, rows, scores in zip(bon, rendered, expected, strict=True):
+    # generator and reward model share SmolLM2's vocabulary, so each score is the reward of the
+    # template's prefix + the response's own ids + the closing suffix, computed on device; where the
+    # ids round-trip through text this is exactly [user: prompt, assistant: decoded response]
+    round_trips = 0
+    for prompt, result in zip(PROMPTS, bon, strict=True):
+        prefix, suffix = template_ids(smol_tokenizer, prompt)
+        rows = [prefix + s.token_ids + suffix for s in result.samples]
+        for sample, ids in zip(result.samples, rows, strict=True):
+            assert sample.text == smol_tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+            if smol_tokenizer(sample.text, add_special_tokens=False)["input_ids"] == sample.token_ids:
+                round_trips += 1
+                assert ids == rendered_ids(smol_tokenizer, prompt, sample.text)
+        expected = np.asarray(rm.scores(*left_padded(rows)))
         assert len(result.samples) == N and [s.index for s in result.samples] == list(range(N))
         check_best(result)
-        for sample in result.samples:
-            assert sample.text == smol_tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        np.testing.assert_allclose([s.score for s in result.samples], scores, atol=TOL, rtol=0)
+        np.testing.assert_allclose([s.score for s in result.samples], expected, atol=TOL, rtol=0)
         assert len({s.score for s in result.samples}) > 1
         forwards = result.stats["token_forwards"]
-        assert forwards["reward"] == next_pow2(N, 1) * next_pow2(max(map(len, rows)), 16)
+        width = next_pow2(next_pow2(len(prefix), 16) + next_pow2(MAX_NEW, 16) + len(suffix), 16)
+        assert forwards["reward"] == next_pow2(N, 1) * width
         assert forwards["generator"] > 0
+    assert round_trips > 0
 
 
 @pytest.mark.slow
@@ -350,7 +363,8 @@ def test_zero_rejection_sr_equals_best_of_n(bon, generator, rm):
 @pytest.mark.slow
 def test_speculative_rejection_keeps_the_best_partial_responses(bon, generator, rm, smol_tokenizer):
     """One decision point after a few tokens: the kept rows are the top half by the reward of their
-    partial text, and they continue exactly as in Best-of-N (random streams are keyed by sample)."""
+    partial responses (scored on device from their ids), and they continue exactly as in Best-of-N
+    (random streams are keyed by sample)."""
     (result,) = jaxsr.speculative_rejection(
         generator,
         rm,
@@ -366,14 +380,8 @@ def test_speculative_rejection_keeps_the_best_partial_responses(bon, generator, 
     assert stats["rounds"] == 2 and stats["batch_sizes"][0] == N and stats["batch_sizes"][1] <= N // 2
     cut = stats["round_log"][0]["end_token"]
     assert 1 < cut < MAX_NEW
-    partial = [
-        rendered_ids(
-            smol_tokenizer,
-            PROMPTS[0],
-            generator.tokenizer.decode(s.token_ids[:cut], skip_special_tokens=True),
-        )
-        for s in full
-    ]
+    prefix, suffix = template_ids(smol_tokenizer, PROMPTS[0])
+    partial = [prefix + s.token_ids[:cut] + suffix for s in full]
     partial_scores = np.asarray(rm.scores(*left_padded(partial)))
     assert len(set(np.round(partial_scores, 4))) == N  # no ties: the kept set is well defined
     assert sorted(s.index for s in result.samples) == sorted(np.argsort(-partial_scores)[: N // 2].tolist())

@@ -1,13 +1,45 @@
-"""A `*ForSequenceClassification` reward model scoring (partial) responses through its chat template."""
+"""A `*ForSequenceClassification` reward model scoring (partial) responses through its chat template.
+
+Responses normally go through text: decoded, rendered with the reward model's template, re-tokenized.
+When the reward model reads the generator's token ids (same vocabulary), `token_scorer` instead builds
+the rendered conversation on device from the template's fixed prefix and suffix ids and the generated
+ids themselves, so a search scores its decode buffer without a host round trip. The two agree whenever
+decoding and re-encoding a response gives back its ids (canonical tokenization).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxsr.decoding.prompts import left_pad
 from jaxsr.ladder import bucket
-from jaxsr.models.model import RewardModel
+from jaxsr.models.model import Model, RewardModel
 from jaxsr.rewards.base import Candidates
+
+TokenScorer = Callable[[jax.Array, jax.Array], jax.Array]
+"""(response ids [B, N], response lengths [B]) → scores [B], on device."""
+_RESPONSE = "\ue000response\ue000"  # a private-use placeholder that no template or prompt contains
+
+
+@partial(jax.jit, static_argnums=(0, 7))
+def _score_ids(graph, params, prefix, prefix_len, suffix, tokens, lengths, width: int) -> jax.Array:
+    """Score rows [prefix[:prefix_len] | tokens[b, :lengths[b]] | suffix], right-padded to `width`."""
+    j = jnp.arange(width)[None, :]
+    n = lengths[:, None]
+    response = jnp.take_along_axis(tokens, jnp.clip(j - prefix_len, 0, tokens.shape[1] - 1), axis=1)
+    closing = suffix[jnp.clip(j - prefix_len - n, 0, suffix.shape[0] - 1)]
+    ids = jnp.where(j < prefix_len, prefix[jnp.minimum(j, prefix.shape[0] - 1)], response)
+    ids = jnp.where(j < prefix_len + n, ids, closing)
+    mask = j < prefix_len + n + suffix.shape[0]
+    module = nnx.merge(graph, params)
+    hidden, _ = module.prefill(jnp.where(mask, ids, 0), mask)
+    return module.scores(hidden, mask)[:, 0]
 
 
 class ClassifierReward:
@@ -25,21 +57,53 @@ class ClassifierReward:
         self.name = f"classifier:{model.name}"
         self.token_forwards = 0
 
+    def conversation(self, prompt: str, response: str) -> str | None:
+        """[user: prompt, assistant: response] in the reward model's chat template (None without one)."""
+        tokenizer = self.model.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            return None
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception as e:
+            raise ValueError(f"reward: the reward model's chat template cannot render the prompt: {e}") from e
+
     def render(self, prompt: str, response: str) -> list[int]:
         tokenizer = self.model.tokenizer
-        if getattr(tokenizer, "chat_template", None):
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            try:
-                text = tokenizer.apply_chat_template(messages, tokenize=False)
-            except Exception as e:
-                raise ValueError(
-                    f"reward: the reward model's chat template cannot render the prompt: {e}"
-                ) from e
+        text = self.conversation(prompt, response)
+        if text is not None:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(prompt + "\n" + response)["input_ids"]
         context = self.model.config.max_position_embeddings
         return ids[-context:] if len(ids) > context else ids
+
+    def token_scorer(self, generator: Model, prompt: str, max_new_tokens: int) -> TokenScorer | None:
+        """On-device scoring of `generator`'s response ids to `prompt`, or None when the reward model
+        does not read the generator's ids (other vocabulary), has no chat template, or the longest
+        rendered response would exceed its context (the text path then truncates)."""
+        tokenizer = self.model.tokenizer
+        if generator.tokenizer is None or generator.tokenizer.get_vocab() != tokenizer.get_vocab():
+            return None
+        before, found, after = (self.conversation(prompt, _RESPONSE) or "").partition(_RESPONSE)
+        if not found:
+            return None
+        encode = lambda part: tokenizer(part, add_special_tokens=False)["input_ids"]
+        prefix, suffix = encode(before), encode(after)
+        prefix_slots = bucket(len(prefix))
+        width = bucket(prefix_slots + bucket(max_new_tokens) + len(suffix))
+        if width > self.model.config.max_position_embeddings or not suffix:
+            return None
+        padded = np.zeros(prefix_slots, np.int32)
+        padded[: len(prefix)] = prefix
+        consts = (jnp.asarray(padded), jnp.int32(len(prefix)), jnp.asarray(suffix, jnp.int32))
+
+        def score(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+            self.token_forwards += tokens.shape[0] * width
+            graph, params = self.model.graph, self.model.params
+            return _score_ids(graph, params, *consts, tokens, lengths.astype(jnp.int32), width)
+
+        return score
 
     def score(self, candidates: Candidates) -> np.ndarray:
         encoded = [self.render(candidates.prompt_text, text) for text in candidates.texts]

@@ -16,7 +16,7 @@ from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Result, Sample
 from jaxsr.rewards import as_reward
-from jaxsr.search.candidates import best, score_rows
+from jaxsr.search.candidates import best, score_ids, score_rows, token_scorer
 from jaxsr.search.memory import budget_slots
 
 
@@ -72,14 +72,17 @@ def best_of_n(
     for prompt, ids, rows, st in zip(prompts, encoded, raw, stats, strict=True):
         t1 = time.perf_counter()
         forwards_before = reward.token_forwards
+        token_lists = [r.tokens for r in rows]
+        scorer = token_scorer(lm, reward, prompt, max_new_tokens)
         scores, texts = score_rows(
             lm,
             reward,
             prompt,
             ids,
-            [r.tokens for r in rows],
+            token_lists,
             np.array([r.logprob for r in rows]),
             np.array([len(r.tokens) + r.finished for r in rows]),
+            None if scorer is None else score_ids(scorer, token_lists, max_new_tokens),
         )
         samples = [
             Sample(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Sample
 from jaxsr.rewards.base import Candidates, Reward
+from jaxsr.rewards.classifier import TokenScorer
 
 
 def prompt_text(model: Model, prompt: str | list[int]) -> str:
@@ -22,6 +24,25 @@ def decode_texts(model: Model, token_lists: list[list[int]]) -> list[str]:
     return model.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
 
 
+def token_scorer(
+    model: Model, reward: Reward, prompt: str | list[int], max_new_tokens: int
+) -> TokenScorer | None:
+    """The reward's on-device scorer of `model`'s response ids (a classifier reading the same
+    vocabulary), or None: responses are then scored through text."""
+    make = getattr(reward, "token_scorer", None)
+    return None if make is None else make(model, prompt_text(model, prompt), max_new_tokens)
+
+
+def score_ids(scorer: TokenScorer, token_lists: list[list[int]], max_new_tokens: int) -> np.ndarray:
+    """Scores of host-side responses through an on-device scorer (rows padded to a bucket)."""
+    rows = bucket(len(token_lists), 1)
+    tokens = np.zeros((rows, bucket(max_new_tokens)), np.int32)
+    lengths = np.zeros(rows, np.int32)
+    for i, ids in enumerate(token_lists):
+        tokens[i, : len(ids)], lengths[i] = ids, len(ids)
+    return np.asarray(scorer(tokens, lengths), np.float64)[: len(token_lists)]
+
+
 def score_rows(
     model: Model,
     reward: Reward,
@@ -30,9 +51,12 @@ def score_rows(
     token_lists: list[list[int]],
     logprob_sum: np.ndarray,
     num_tokens: np.ndarray,
+    scores: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[str]]:
-    """Reward of each (partial) response, and the decoded texts."""
+    """Reward of each (partial) response (unless already scored on device), and the decoded texts."""
     texts = decode_texts(model, token_lists)
+    if scores is not None:
+        return np.asarray(scores, np.float64), texts
     candidates = Candidates(
         prompt_text=prompt_text(model, prompt),
         prompt_ids=prompt_ids,

@@ -38,7 +38,7 @@ from jaxsr.models.model import Model
 from jaxsr.results import Result, Sample
 from jaxsr.rewards import as_reward
 from jaxsr.rewards.base import Reward
-from jaxsr.search.candidates import best, score_rows
+from jaxsr.search.candidates import best, score_rows, token_scorer
 from jaxsr.search.memory import budget_slots
 
 Rule = Literal["keep_fraction", "quantile"]
@@ -210,6 +210,7 @@ def _one_prompt(
     t_start = time.perf_counter()
     reward_before = reward.token_forwards
     model = engine.model
+    scorer = token_scorer(model, reward, prompt, max_new_tokens)
     tokens, mask = left_pad([ids], 1, plan.prompt_slots)
     prefilled = engine.prefill(jnp.asarray(tokens), jnp.asarray(mask))
     jax.block_until_ready(prefilled)
@@ -282,8 +283,11 @@ def _one_prompt(
         t1 = time.perf_counter()
         live_rows = np.flatnonzero(alive)
         token_lists = [buf[r, : num[r] - finished[r]].tolist() for r in live_rows]
+        on_device = None
+        if scorer is not None:  # the decode buffer is scored where it lies
+            on_device = np.asarray(scorer(base.tokens, base.num_generated - base.finished))[live_rows]
         scores, texts = score_rows(
-            model, reward, prompt, ids, token_lists, logprob[live_rows], num[live_rows]
+            model, reward, prompt, ids, token_lists, logprob[live_rows], num[live_rows], on_device
         )
         round_samples = [
             Sample(
