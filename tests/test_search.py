@@ -143,6 +143,22 @@ def test_each_rung_compiles_once():
     assert sizes() == after
 
 
+def test_a_prompt_bucket_floor_shares_compiled_programs_across_prompt_lengths():
+    lm = tiny_model(seed=0, intermediate_size=24)  # no EOS: every call visits the same rungs
+    kwargs = dict(n=8, rejection_rate=0.5, max_new_tokens=12, min_first_segment=8, memory_budget=32 + 8 * 8)
+    short, long = [[1, 2, 3]], [list(range(1, 21))]  # 16- and 32-slot buckets
+
+    def sizes() -> tuple[int, int]:
+        return sampler.prefill._cache_size(), sampler.decode_loop._cache_size()
+
+    jaxsr.speculative_rejection(lm, SelfLikelihood(), short, min_prompt_bucket=32, **kwargs)
+    before = sizes()
+    jaxsr.speculative_rejection(lm, SelfLikelihood(), long, min_prompt_bucket=32, **kwargs)
+    assert sizes() == before
+    jaxsr.speculative_rejection(lm, SelfLikelihood(), short, **kwargs)  # its own 16-slot bucket
+    assert sizes()[0] == before[0] + 1
+
+
 def test_decision_interval(lm):
     r = jaxsr.speculative_rejection(
         lm,

@@ -145,13 +145,18 @@ def speculative_rejection(
     decision_interval: int | None = None,
     rule: Rule = "keep_fraction",
     min_first_segment: int = 16,
+    min_prompt_bucket: int = 16,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
     prompt_offset: int = 0,
 ) -> list[Result]:
     """Speculative Rejection per prompt; `rejection_rate=0` with a budget that holds all n rows is
     exactly `best_of_n` with the same seed. `model` is a language model or a two-model decoder. See
-    the module docstring for the algorithm."""
+    the module docstring for the algorithm.
+
+    `min_prompt_bucket` pads every prompt to at least that many slots (a power of two), so prompts of
+    different lengths share compiled programs (on accelerators, where compiles are costly); the padding
+    counts against the memory budget."""
     sampling = check_sampling(sampling)
     engine = as_engine(model, sampling)
     reward = as_reward(reward)
@@ -160,6 +165,7 @@ def speculative_rejection(
         n = check_positive_int("n", n)
     max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     min_first_segment = check_positive_int("min_first_segment", min_first_segment)
+    min_prompt_bucket = check_positive_int("min_prompt_bucket", min_prompt_bucket)
     if decision_interval is not None:
         decision_interval = check_positive_int("decision_interval", decision_interval)
     if rule not in ("keep_fraction", "quantile"):
@@ -169,7 +175,7 @@ def speculative_rejection(
     engine.check_context(encoded, max_new_tokens)
     results = []
     for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
-        prompt_slots = bucket(len(ids))
+        prompt_slots = bucket(len(ids), min_prompt_bucket)
         fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + engine.headroom)
         budget = budget_slots(memory_budget, engine.slot_bytes, fallback_slots=fallback)
         plan = _Plan(budget, prompt_slots, max_new_tokens, n, rate, min_first_segment, engine.headroom)
