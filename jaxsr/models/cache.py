@@ -11,8 +11,6 @@ cache in the decode step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -86,21 +84,19 @@ class RowCache:
     def capacity(self) -> int:
         return self.k[0].shape[-1]
 
-    def write(self, k: Sequence[jax.Array], v: Sequence[jax.Array]) -> RowCache:
-        """Store each layer's new keys/values [rows, T, kv_heads, head_dim] at slots length + [0, T).
-
-        Slots past the capacity are dropped; `length` is left to the caller. Inside a jitted loop whose
-        state is donated this is an in-place scatter of only the new entries."""
-        B, T = k[0].shape[:2]
+    def write_layer(
+        self, cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """One layer's cache with new keys/values [rows, T, kv_heads, head_dim] stored at slots
+        length + [0, T); slots past the capacity are dropped. Inside a jitted loop whose state is
+        donated this is an in-place scatter of only the new entries."""
+        B, T = k.shape[:2]
         slots = self.length[:, None] + jnp.arange(T)[None, :]
         rows = jnp.arange(B)[:, None]
         # advanced indices (row, slot) come first in the indexed shape: [B, T, K, D]
-        return RowCache(
-            k=tuple(
-                old.at[rows, :, :, slots].set(new, mode="drop") for old, new in zip(self.k, k, strict=True)
-            ),
-            v=tuple(old.at[rows, :, slots].set(new, mode="drop") for old, new in zip(self.v, v, strict=True)),
-            length=self.length,
+        return (
+            cache_k.at[rows, :, :, slots].set(k, mode="drop"),
+            cache_v.at[rows, :, slots].set(v, mode="drop"),
         )
 
     def take(self, index: jax.Array, capacity: int | None = None) -> RowCache:

@@ -152,25 +152,30 @@ class Decoder(nnx.Module):
     ) -> tuple[jax.Array, RowCache]:
         """tokens, positions: [B, T]; B is a multiple of the prompt count (rows grouped by prompt).
 
-        New keys go to slots rows.length + [0, T); the returned cache keeps `length` unchanged — the
-        caller advances it by what it accepts (all T for plain sampling, fewer after a rejection).
+        New keys go to slots rows.length + [0, T) (there must be room: slots past the capacity are
+        dropped, and not attended to); the returned cache keeps `length` unchanged — the caller
+        advances it by what it accepts (all T for plain sampling, fewer after a rejection).
         """
         T = tokens.shape[1]
-        old_visible = jnp.arange(rows.capacity)[None, None, :] < rows.length[:, None, None]
-        new_visible = jnp.tril(jnp.ones((T, T), bool))[None]
+        # query t of row b sees its cached slots and the new tokens up to itself
+        visible = (
+            jnp.arange(rows.capacity)[None, None, :] <= rows.length[:, None, None] + jnp.arange(T)[:, None]
+        )
         x = self._embed(tokens, positions)
         keys, values = [], []
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, x, positions)
+            # write first, then attend over the written cache: the read depends on the write, so a
+            # donated cache is updated in place (reading first makes XLA copy it to order the two)
+            cache_k, cache_v = rows.write_layer(rows.k[layer], rows.v[layer], k, v)
             segments = [
                 Segment(prompt.k[layer], prompt.v[layer], prompt.mask, shared=True),
-                Segment(rows.k[layer], rows.v[layer], old_visible, shared=False),
-                Segment.from_projections(k, v, new_visible),
+                Segment(cache_k, cache_v, visible, shared=False),
             ]
             x = self._finish_block(block, x, attend(q, segments, self._scale))
-            keys.append(k)
-            values.append(v)
-        return self.final_norm(x), rows.write(keys, values)
+            keys.append(cache_k)
+            values.append(cache_v)
+        return self.final_norm(x), rows.replace(k=tuple(keys), v=tuple(values))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Language-model logits in float32."""
