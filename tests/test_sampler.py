@@ -105,6 +105,31 @@ def test_second_call_with_the_same_buckets_compiles_nothing(lm):
     assert sampler.prefill._cache_size() == sizes[0] + 1
 
 
+def test_the_compiled_decode_loop_updates_the_row_cache_in_place(lm):
+    """No copy of a cache buffer per step: a step's cost must not grow with the cache capacity."""
+    import re
+
+    import jax.numpy as jnp
+
+    logits, prompt = sampler.prefill(
+        lm.graph, lm.params, jnp.ones((1, 16), jnp.int32), jnp.ones((1, 16), bool)
+    )
+    B, capacity, cfg = 8, 40, SamplingConfig()
+    state = sampler.init_state(
+        logits, prompt, samples_per_prompt=B, capacity=capacity, sampling=cfg, seed=np.uint32(0),
+        prompt_ids=jnp.zeros(1, jnp.int32), sample_ids=jnp.arange(B, dtype=jnp.int32),
+        alive=jnp.ones(B, bool), max_new_tokens=jnp.full(B, capacity, jnp.int32),
+        stop_ids=jnp.full((B, 1), -1, jnp.int32),
+    )  # fmt: skip
+    hlo = sampler.decode_loop.lower(lm.graph, lm.params, state, prompt, sampling=cfg).compile().as_text()
+    K, D = lm.config.num_kv_heads, lm.config.head_dim
+    shapes = {f"f32[{B},{K},{D},{capacity}]", f"f32[{B},{K},{capacity},{D}]"}
+    scatters = [line for line in hlo.splitlines() if "scatter(" in line and any(s in line for s in shapes)]
+    copies = [m.group(1) for m in re.finditer(r"= (f32\[[0-9,]+\])\{[^}]*\} copy\(", hlo)]
+    assert len(scatters) == 2 * lm.config.num_layers  # the check looks at the right buffers
+    assert not shapes & set(copies)
+
+
 def test_prompt_is_prefilled_once_for_all_samples(lm):
     result = jaxsr.generate(lm, [[1, 2, 3]], max_new_tokens=5, num_samples=8, seed=0)[0]
     # one prompt row of the 16-token bucket, then 4 decode steps of the 8 rows
