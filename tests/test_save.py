@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import struct
+
 import hf_fixtures as H
 import numpy as np
 import pytest
@@ -48,6 +51,17 @@ def test_saved_checkpoint_reloads_identically_in_jaxsr_and_torch(hf, family, tmp
         a = torch_model(input_ids=torch.as_tensor(tokens), attention_mask=torch.as_tensor(mask))
         b = reloaded(input_ids=torch.as_tensor(tokens), attention_mask=torch.as_tensor(mask))
     np.testing.assert_allclose(b.logits.numpy(), a.logits.numpy(), atol=1e-6)
+
+
+def test_bfloat16_models_are_saved_in_bfloat16(hf, tmp_path):
+    model = jaxsr.load_model(hf("llama3")[0], dtype="bfloat16", cache=False)
+    saved = jaxsr.save_model(model, tmp_path / "bf16")
+    blob = (saved / "model.safetensors").read_bytes()
+    header = json.loads(blob[8 : 8 + struct.unpack("<Q", blob[:8])[0]])
+    assert {info["dtype"] for name, info in header.items() if name != "__metadata__"} == {"BF16"}
+    again = jaxsr.load_model(saved, dtype="bfloat16", cache=False)
+    for path, value in _flat(model).items():
+        np.testing.assert_array_equal(_flat(again)[path], value)
 
 
 def test_save_model_refuses_non_models(tmp_path):

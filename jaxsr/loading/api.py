@@ -174,7 +174,9 @@ def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None 
         raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    params = {path: np.asarray(jax.device_get(leaf)) for path, leaf in nnx.to_flat_state(model.params)}
+    params = {
+        path: np.asarray(jax.device_get(leaf.get_value())) for path, leaf in nnx.to_flat_state(model.params)
+    }
     write_safetensors(directory / "model.safetensors", export_hf_tensors(model.config, params))
     hf_config = hf_config_from_decoder(model.config)
     eos = list(model.eos_token_ids)
