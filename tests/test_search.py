@@ -118,7 +118,7 @@ def test_memory_derived_first_batch(lm):
 def test_each_rung_compiles_once():
     """Compilations = distinct rungs visited (decode) and distinct rung transitions (compaction); calls
     that revisit them compile nothing. Which rungs a call visits depends on its samples (EOS)."""
-    lm = tiny_model(seed=0, eos_token_ids=(5,), intermediate_size=40)  # a shape no other test compiles
+    lm = tiny_model(seed=0, eos_token_ids=(5,), num_layers=3)  # cache shapes no other test compiles
     kwargs = dict(n=16, rejection_rate=0.5, max_new_tokens=24, memory_budget=16 + 16 * 8, min_first_segment=8)
     calls = [([[1, 2, 3]], 1), ([[7, 8, 9, 10]], 2)]
 
