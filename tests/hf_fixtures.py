@@ -166,6 +166,27 @@ def build_checkpoint(
     return directory, model
 
 
+def build_llama_with_tokenizer(
+    model: str, tokenizer: Any, directory: Path, seed: int, **overrides: Any
+) -> Path:
+    """A seeded random Llama (`transformers.<model>`) over `tokenizer`'s vocabulary, saved with it."""
+    import transformers
+
+    kwargs = _llama_kwargs(
+        vocab_size=len(tokenizer),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    built = getattr(transformers, model)(transformers.LlamaConfig(**kwargs))
+    _randomize(built, seed)
+    built.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return Path(directory)
+
+
 _CACHE: dict[tuple[str, str, str | None], tuple[Path, torch.nn.Module]] = {}
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import hf_fixtures as H
 import pytest
-import torch
 import transformers
 import yaml
 
@@ -47,27 +46,10 @@ def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama checkpoint (safetensors) with the byte tokenizer: what `model=` points at."""
-    tokenizer = byte_tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    H._randomize(model, seed=21)
     directory = tmp_path_factory.mktemp("byte-llama")
-    model.save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
-    return directory
+    return H.build_llama_with_tokenizer(
+        "LlamaForCausalLM", byte_tokenizer(), directory, 21, rms_norm_eps=1e-6
+    )
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hf_fixtures as H
 import numpy as np
 import pytest
-import torch
 import transformers
 from test_jobs_cli import byte_tokenizer
 
@@ -23,32 +22,15 @@ TEXTS = [
 PROMPT = "Tell me something."
 
 
-def save(model_cls, tokenizer, directory, seed: int, **config) -> None:
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **config,
-    )
-    torch.manual_seed(seed)
-    model = model_cls(cfg)
-    H._randomize(model, seed=seed)
-    model.save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     tokenizer = byte_tokenizer()
     lm_dir, rm_dir = tmp_path_factory.mktemp("byte-lm"), tmp_path_factory.mktemp("byte-rm")
-    save(transformers.LlamaForCausalLM, tokenizer, lm_dir, seed=3)
-    save(transformers.LlamaForSequenceClassification, tokenizer, rm_dir, seed=4, num_labels=1)
+    options = dict(max_position_embeddings=256, rms_norm_eps=1e-6)
+    H.build_llama_with_tokenizer("LlamaForCausalLM", tokenizer, lm_dir, 3, **options)
+    H.build_llama_with_tokenizer(
+        "LlamaForSequenceClassification", tokenizer, rm_dir, 4, num_labels=1, **options
+    )
     return jaxsr.load_model(lm_dir, cache=False), jaxsr.load_reward_model(rm_dir, cache=False)
 
 
