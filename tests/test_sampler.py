@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 
 import jaxsr
 from jaxsr.decoding import sampler
-from jaxsr.decoding.sampling import SamplingConfig, process_logits
+from jaxsr.decoding.sampling import CDF_BLOCK, SamplingConfig, draw_from, process_logits
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13]]
 
@@ -136,8 +136,14 @@ def test_prompt_is_prefilled_once_for_all_samples(lm):
     assert result.stats["token_forwards"]["generator"] == 16 + 4 * 8
 
 
-def test_first_token_distribution_is_the_processed_softmax(lm):
-    cfg = SamplingConfig(temperature=0.8, top_k=6, top_p=0.95)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(temperature=0.8, top_k=6, top_p=0.95),
+        SamplingConfig(temperature=1.2, top_k=0, top_p=0.9),
+    ],
+)
+def test_first_token_distribution_is_the_processed_softmax(lm, cfg):
     n = 4000
     out = jaxsr.generate(lm, [PROMPTS[1]], max_new_tokens=1, num_samples=n, seed=3, sampling=cfg, max_rows=n)
     counts = np.bincount([s.token_ids[0] for s in out[0].samples], minlength=lm.config.vocab_size)
@@ -147,6 +153,37 @@ def test_first_token_distribution_is_the_processed_softmax(lm):
     expected = probs[support] / probs[support].sum() * n
     _, p_value = scipy.stats.chisquare(counts[support], expected)
     assert p_value > 1e-3
+
+
+def test_draw_from_samples_a_many_block_distribution_exactly():
+    """The blockwise inverse CDF over a vocabulary of several blocks (the last one partial), with empty
+    blocks, zero tokens inside live blocks and mass at both ends; unnormalised weights."""
+    import jax
+
+    V, n = 3 * CDF_BLOCK + 37, 200_000
+    rng = np.random.default_rng(0)
+    weights = rng.gamma(0.5, size=V) * (rng.random(V) < 0.3)
+    weights[CDF_BLOCK : 2 * CDF_BLOCK] = 0.0
+    weights[[0, V - 1]] = 5.0
+    keys = jax.random.split(jax.random.key(7), n)
+    counts = np.bincount(np.asarray(jax.jit(jax.vmap(draw_from, (0, None)))(keys, weights)), minlength=V)
+    support = weights > 0
+    assert counts.size == V and counts[~support].sum() == 0
+    expected = weights[support] / weights.sum() * n
+    big = expected >= 5  # chi-square cells; the rare tokens are pooled into one
+    observed = np.append(counts[support][big], counts[support][~big].sum())
+    predicted = np.append(expected[big], expected[~big].sum())
+    assert scipy.stats.chisquare(observed, predicted * observed.sum() / predicted.sum()).pvalue > 1e-3
+
+
+def test_draw_from_a_point_mass_returns_that_token():
+    import jax
+
+    for token in (0, CDF_BLOCK - 1, CDF_BLOCK, 2 * CDF_BLOCK + 5):
+        probs = np.zeros(2 * CDF_BLOCK + 6, np.float32)
+        probs[token] = 1.0
+        keys = jax.random.split(jax.random.key(token), 64)
+        assert set(np.asarray(jax.vmap(draw_from, (0, None))(keys, probs)).tolist()) == {token}
 
 
 def jax_softmax(x):

@@ -49,17 +49,12 @@ from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_decode_args, to_samp
 from jaxsr.decoding.pair import Contrast, Method, SpeculativeState, probabilities
 from jaxsr.decoding.prompts import check_positive_int, encode_prompts
 from jaxsr.decoding.sampler import _record, row_keys
-from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.decoding.sampling import SamplingConfig, draw_from
 from jaxsr.models.cache import PromptCache
 from jaxsr.models.model import Model
 from jaxsr.results import Result
 
 # -- the acceptance rule, as pure functions of distributions -----------------------------------------
-
-
-def draw_from(key: jax.Array, probs: jax.Array) -> jax.Array:
-    """One token from a (possibly unnormalised) distribution [V]; zero-probability tokens never."""
-    return jax.random.categorical(key, jnp.log(probs)).astype(jnp.int32)
 
 
 def accept(u: jax.Array, p_x: jax.Array, q_x: jax.Array) -> jax.Array:
