@@ -200,6 +200,45 @@ def test_statistics_count_the_work_and_predict_the_speedup(target, draft):
     assert pair.expected_speedup(0.5, 2, 0.2, 2.0) < pair.expected_speedup(0.5, 2, 0.2)
 
 
+def simulated_steps(lams: list[float], gamma: int, tokens: int, trials: int, rng) -> np.ndarray:
+    """Steps until the slowest of the rows has `tokens` tokens, simulated accept by accept."""
+    worst = np.zeros(trials)
+    for lam in lams:
+        have, steps = np.zeros(trials), np.zeros(trials)
+        while (have < tokens).any():
+            running = have < tokens
+            accepted = np.cumprod(rng.random((trials, gamma)) < lam, axis=1).sum(1)
+            have += running * (accepted + 1)
+            steps += running
+        worst = np.maximum(worst, steps)
+    return worst
+
+
+@pytest.mark.parametrize(
+    "lams,gamma,tokens", [([0.5], 4, 40), ([0.3, 0.5, 0.7, 0.5], 3, 30), ([0.8] * 8, 5, 64)]
+)
+def test_batch_prediction_matches_simulated_steps_of_the_slowest_row(lams, gamma, tokens):
+    steps = simulated_steps(lams, gamma, tokens, 20_000, np.random.default_rng(0))
+    c, v = 0.1, 1.2
+    any_full = 1 - np.prod([1 - lam**gamma for lam in lams])
+    predicted_steps = tokens / (
+        pair.expected_batch_speedup(lams, gamma, tokens, c, v) * (c * gamma + v + c * any_full)
+    )
+    assert predicted_steps == pytest.approx(steps.mean(), abs=4 * steps.std() / np.sqrt(steps.size))
+
+
+def test_batch_prediction_limits():
+    # one row, long output: the per-row formula; all accepted: exactly γ+1 tokens per step
+    assert pair.expected_batch_speedup([0.6], 4, 5000, 0.1, 1.3) == pytest.approx(
+        pair.expected_speedup(0.6, 4, 0.1, 1.3), rel=2e-3
+    )
+    assert pair.expected_batch_speedup([1.0] * 3, 3, 100, 0.0) == 4.0
+    assert pair.expected_batch_speedup([0.0], 3, 100, 0.1, 1.0, 1.1) == pytest.approx(1.1 / 1.3)
+    # waiting for the slowest row costs: more rows, lower expected speed-up
+    one, eight = (pair.expected_batch_speedup([0.5] * n, 4, 127, 0.1) for n in (1, 8))
+    assert eight < 0.95 * one
+
+
 def test_a_second_call_in_the_same_buckets_compiles_nothing(target, draft):
     kwargs = dict(gamma=3, sampling=GREEDY, measure_cost=False)
     speculative_decode(target, draft, PROMPTS[:2], max_new_tokens=12, **kwargs)

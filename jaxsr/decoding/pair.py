@@ -464,6 +464,45 @@ def expected_speedup(
     return tokens * baseline_cost / (c * gamma + verify_ratio + c * lam**gamma)
 
 
+def steps_to_finish(acceptance: float, gamma: int, tokens: int) -> np.ndarray:
+    """P(a row has committed `tokens` tokens after n speculative steps), n = 0 … tokens: each step
+    commits 1 + A tokens, P(A ≥ i) = λ^i for i ≤ γ (independent acceptances)."""
+    lam = min(max(acceptance, 0.0), 1.0)
+    extra = np.array([lam**a * (1 - lam) for a in range(gamma)] + [lam**gamma])
+    have = np.zeros(tokens + 1)  # committed tokens, capped at `tokens` (absorbing)
+    have[0] = 1.0
+    done = [have[tokens]]
+    for _ in range(tokens):
+        nxt = np.zeros_like(have)
+        nxt[tokens] = have[tokens]
+        for a, w in enumerate(extra):
+            np.add.at(nxt, np.minimum(np.arange(tokens) + a + 1, tokens), have[:tokens] * w)
+        have = nxt
+        done.append(have[tokens])
+    return np.asarray(done)
+
+
+def expected_batch_speedup(
+    acceptances: Sequence[float],
+    gamma: int,
+    tokens: int,
+    cost_ratio: float,
+    verify_ratio: float = 1.0,
+    baseline_cost: float = 1.0,
+) -> float:
+    """`expected_speedup` for rows decoded together, each committing `tokens` tokens: the loop runs
+    until its slowest row is done (E[max_i steps_i], row i accepting at its own λ_i), and the extra
+    draft call runs whenever any row accepted all γ. The baseline takes `tokens` steps of
+    `baseline_cost` target calls. One row and many tokens give back `expected_speedup`."""
+    if tokens <= 0 or not acceptances:
+        return 1.0
+    finished = np.prod([steps_to_finish(lam, gamma, tokens) for lam in acceptances], axis=0)
+    steps = float(np.sum(1.0 - finished))  # E[max] = Σ_n P(max > n)
+    any_full = 1.0 - float(np.prod([1.0 - min(max(lam, 0.0), 1.0) ** gamma for lam in acceptances]))
+    per_step = cost_ratio * gamma + verify_ratio + cost_ratio * any_full
+    return tokens * baseline_cost / (steps * per_step)
+
+
 @partial(jax.jit, static_argnums=0)
 def _probe(graph: nnx.GraphDef, params: nnx.State, tokens: jax.Array, prompt: PromptCache, rows: RowCache):
     index = jnp.zeros(tokens.shape, jnp.int32) + jnp.arange(tokens.shape[1])
