@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 
 import jaxsr
 from jaxsr.decoding import sampler
-from jaxsr.decoding.sampling import CDF_BLOCK, SamplingConfig, draw_from, process_logits
+from jaxsr.decoding.sampling import CDF_BLOCK, SamplingConfig, draw_from, process_logits, top_k
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13]]
 
@@ -174,6 +174,25 @@ def test_draw_from_samples_a_many_block_distribution_exactly():
     observed = np.append(counts[support][big], counts[support][~big].sum())
     predicted = np.append(expected[big], expected[~big].sum())
     assert scipy.stats.chisquare(observed, predicted * observed.sum() / predicted.sum()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize(
+    "shape,k", [((3, 49152), 50), ((2, 3, 5000), 7), ((4, 64 * 40 + 3), 20), ((2, 300), 50)]
+)
+def test_blocked_top_k_equals_lax_top_k(shape, k):
+    """Values and indices as `lax.top_k`, with logits clustered so the top k crowd a few blocks, a
+    top-k-masked row (many equal MASKED values below the top k) and a partial last block."""
+    import jax
+
+    rng = np.random.default_rng(k)
+    x = rng.normal(size=shape).astype(np.float32)
+    x[..., 100:140] += 6.0
+    x.reshape(-1, shape[-1])[0, k:] = -1e9
+    x.reshape(-1, shape[-1])[0, :k] = np.arange(k, 0, -1)
+    values, index = jax.jit(top_k, static_argnums=1)(x, k)
+    expected_values, expected_index = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(values, expected_values)
+    np.testing.assert_array_equal(index, expected_index)
 
 
 def test_draw_from_a_point_mass_returns_that_token():

@@ -50,13 +50,36 @@ def process_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:
         logits = logits / config.temperature
     if 0 < config.top_k < logits.shape[-1]:
         # .min rather than [..., -1:]: XLA:CPU otherwise re-runs top_k for every element it masks
-        kth = jax.lax.top_k(logits, config.top_k)[0].min(-1, keepdims=True)
+        kth = top_k(logits, config.top_k)[0].min(-1, keepdims=True)
         logits = jnp.where(logits < kth, MASKED, logits)
     if config.top_p < 1.0:
         kept = _top_p_sorted(-jnp.sort(-logits, axis=-1), config.top_p)
         threshold = jnp.where(kept > MASKED, kept, jnp.inf).min(-1, keepdims=True)
         logits = jnp.where(logits < threshold, MASKED, logits)
     return logits
+
+
+TOP_K_BLOCK = 64
+"""Width of the blocks `top_k` ranks by their maxima before searching inside the best of them."""
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis (values descending, ties to the lower index), searching only
+    the k blocks with the largest maxima: every top-k element lies in one of them, since a block that
+    holds one has a maximum at least that large. Over a 49152-token vocabulary that is a top-k over
+    3200 candidates, several times cheaper on CPU. Equal to `lax.top_k` but where block maxima tie."""
+    V = x.shape[-1]
+    blocks = -(-V // TOP_K_BLOCK)
+    if blocks <= 2 * k:
+        return jax.lax.top_k(x, k)
+    lead = x.shape[:-1]
+    fill = jnp.full((*lead, blocks * TOP_K_BLOCK - V), -jnp.inf, x.dtype)
+    tiled = jnp.concatenate([x, fill], axis=-1).reshape(*lead, blocks, TOP_K_BLOCK)
+    best = jnp.sort(jax.lax.top_k(tiled.max(-1), k)[1], axis=-1)  # index order keeps lax's tie rule
+    candidates = jnp.take_along_axis(tiled, best[..., None], axis=-2).reshape(*lead, k * TOP_K_BLOCK)
+    values, where = jax.lax.top_k(candidates, k)
+    first = jnp.take_along_axis(best, where // TOP_K_BLOCK, axis=-1) * TOP_K_BLOCK
+    return values, (first + where % TOP_K_BLOCK).astype(jnp.int32)
 
 
 def _top_p_sorted(sorted_logits: jax.Array, top_p: float) -> jax.Array:
@@ -74,7 +97,7 @@ def draw(keys: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Arra
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     V = logits.shape[-1]
     if 0 < config.top_k < V:
-        values, index = jax.lax.top_k(logits.astype(jnp.float32), config.top_k)
+        values, index = top_k(logits.astype(jnp.float32), config.top_k)
         if config.temperature != 1.0:
             values = values / config.temperature
         if config.top_p < 1.0:
