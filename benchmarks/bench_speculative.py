@@ -8,7 +8,10 @@ tokens and every method does the same work. "Batch b" = b prompts decoded togeth
 max_rows=b; a power of two).
 
 Each configuration (method, batch, γ) first runs untimed on prompts covering each shape it compiles
-(warm-up), then `--repeats` timed calls over all prompts (the one with the least decode time is kept).
+(warm-up). Timing is interleaved, because this shared 2-core machine drifts by up to ±40% over minutes:
+for each batch of prompts, every configuration of that batch size decodes it back to back (the order
+reversed on every other repeat), `--repeats` times, and each (configuration, batch) keeps its fastest
+repeat.
 Per configuration: wall time (sum of `Result.stats["wall_s"]`: prefill, compile-cache lookups and
 decoding), tokens/s = generated tokens / decode time (`stats["decode_s"]`, compilation excluded), and
 for SD/SCD the acceptance λ (accepted / tested draft tokens over all prompts), tokens per target call,
@@ -21,7 +24,7 @@ speedup (tokens/s over expert-only for SD, over CD for SCD, at the same batch). 
 batch 1 is plotted to `results/<name>_speedup_vs_gamma.png`; JSON goes to `results/<name>.json`.
 
     python -m benchmarks.bench_speculative --prompts 8 --batch 1 8 --new-tokens 128 --gamma 4 \
-        --gammas 1 2 3 4 5 6 8 --repeats 1
+        --gammas 1 2 3 4 6 8 --repeats 2
 
 Smoke run (writes results/speculative_smoke.*):
 
@@ -57,8 +60,20 @@ def rows_per_batch(batch: int) -> int:
     return 1 << (batch.bit_length() - 1)
 
 
-def call(method: str, lm, draft, prompts: list[str], batch: int, gamma: int, seed: int, new_tokens: int):
-    common = dict(max_new_tokens=new_tokens, sampling=SAMPLING, max_rows=batch, seed=seed)
+def call(
+    method: str,
+    lm,
+    draft,
+    prompts: list[str],
+    batch: int,
+    gamma: int,
+    seed: int,
+    new_tokens: int,
+    offset: int = 0,
+):
+    common = dict(
+        max_new_tokens=new_tokens, sampling=SAMPLING, max_rows=batch, seed=seed, prompt_offset=offset
+    )
     if method == "expert":
         return jaxsr.generate(lm, prompts, **common)
     if method == "CD":
@@ -120,16 +135,47 @@ def summarize(
     return row
 
 
-def run_config(key, lm, draft, prompts: list[str], args) -> dict[str, Any]:
-    method, batch, gamma = key
-    for chunk in warmup_sets(lm, prompts, batch):
-        call(method, lm, draft, chunk, batch, gamma or 1, args.seed, args.new_tokens)
-    best = None
-    for _ in range(args.repeats):
-        out = call(method, lm, draft, prompts, batch, gamma or 1, args.seed, args.new_tokens)
-        row = summarize(out, method, gamma, rows_per_batch(batch), args.new_tokens)
-        best = row if best is None or row["decode_s"] < best["decode_s"] else best
-    return {"method": method, "batch": min(rows_per_batch(batch), len(prompts)), "gamma": gamma, **best}
+def run_all(keys: list, lm, draft, prompts: list[str], args) -> dict[Any, dict[str, Any]]:
+    """Warm every configuration up, then time them interleaved batch by batch (see the docstring)."""
+    for key in (bar := tqdm(keys, unit="config", desc="warm-up")):
+        method, batch, gamma = key
+        bar.set_postfix_str(f"{method} batch={batch}" + (f" γ={gamma}" if gamma else ""))
+        for chunk in warmup_sets(lm, prompts, batch):
+            call(method, lm, draft, chunk, batch, gamma or 1, args.seed, args.new_tokens)
+    best: dict[tuple, list[jaxsr.Result]] = {}
+    work = [
+        (batch, start)
+        for batch in sorted({k[1] for k in keys})
+        for start in range(0, len(prompts), rows_per_batch(batch))
+    ]
+    with tqdm(total=args.repeats * len(keys) * len(prompts), unit="prompt", desc="timed") as bar:
+        for repeat in range(args.repeats):
+            for batch, start in work:
+                chunk = prompts[start : start + rows_per_batch(batch)]
+                same_batch = [k for k in keys if k[1] == batch]
+                for key in same_batch[:: -1 if repeat % 2 else 1]:
+                    method, _, gamma = key
+                    out = call(method, lm, draft, chunk, batch, gamma or 1, args.seed, args.new_tokens, start)
+                    old = best.get((key, start))
+                    if old is None or sum(r.stats["decode_s"] for r in out) < sum(
+                        r.stats["decode_s"] for r in old
+                    ):
+                        best[(key, start)] = out
+                    bar.update(len(chunk))
+    rows = {}
+    for key in keys:
+        method, batch, gamma = key
+        results = [
+            r for (k, _), out in sorted(best.items(), key=lambda kv: kv[0][1]) if k == key for r in out
+        ]
+        row = summarize(results, method, gamma, rows_per_batch(batch), args.new_tokens)
+        rows[key] = {
+            "method": method,
+            "batch": min(rows_per_batch(batch), len(prompts)),
+            "gamma": gamma,
+            **row,
+        }
+    return rows
 
 
 def plot(rows: list[dict[str, Any]], path) -> None:
@@ -183,8 +229,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--gamma", type=int, default=4, help="γ of the SD/SCD rows at every batch")
-    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8], help="sweep, batch 1")
-    parser.add_argument("--repeats", type=int, default=1, help="timed calls per configuration (best kept)")
+    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8], help="sweep, batch 1")
+    parser.add_argument("--repeats", type=int, default=2, help="timed rounds (fastest kept per batch)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop-at-eos", action="store_true", help="stop rows at EOS (unequal work)")
     parser.add_argument("--name", default="speculative")
@@ -207,10 +253,7 @@ def main() -> None:
     keys = [(m, b, None) for b in batches for m in ("expert", "CD")]
     keys += [(m, b, args.gamma) for b in args.batch for m in ("SD", "SCD")]
     keys += [(m, 1, g) for g in args.gammas for m in ("SD", "SCD") if (m, 1, g) not in keys]
-    rows = {}
-    for key in (bar := tqdm(keys, unit="config")):
-        bar.set_description(f"{key[0]} batch={key[1]}" + (f" γ={key[2]}" if key[2] else ""))
-        rows[key] = run_config(key, lm, draft, prompts, args)
+    rows = run_all(keys, lm, draft, prompts, args)
     for (method, batch, gamma), row in rows.items():
         row["sweep"] = batch == 1 and gamma in args.gammas
         if method in BASELINE:
