@@ -135,6 +135,10 @@ def summarize(
     return row
 
 
+def decode_time(results: list[jaxsr.Result]) -> float:
+    return sum(r.stats["decode_s"] for r in results)
+
+
 def run_all(keys: list, lm, draft, prompts: list[str], args) -> dict[Any, dict[str, Any]]:
     """Warm every configuration up, then time them interleaved batch by batch (see the docstring)."""
     for key in (bar := tqdm(keys, unit="config", desc="warm-up")):
@@ -142,7 +146,7 @@ def run_all(keys: list, lm, draft, prompts: list[str], args) -> dict[Any, dict[s
         bar.set_postfix_str(f"{method} batch={batch}" + (f" γ={gamma}" if gamma else ""))
         for chunk in warmup_sets(lm, prompts, batch):
             call(method, lm, draft, chunk, batch, gamma or 1, args.seed, args.new_tokens)
-    best: dict[tuple, list[jaxsr.Result]] = {}
+    best: dict[tuple, dict[int, list[jaxsr.Result]]] = {key: {} for key in keys}  # key → start → results
     work = [
         (batch, start)
         for batch in sorted({k[1] for k in keys})
@@ -156,18 +160,14 @@ def run_all(keys: list, lm, draft, prompts: list[str], args) -> dict[Any, dict[s
                 for key in same_batch[:: -1 if repeat % 2 else 1]:
                     method, _, gamma = key
                     out = call(method, lm, draft, chunk, batch, gamma or 1, args.seed, args.new_tokens, start)
-                    old = best.get((key, start))
-                    if old is None or sum(r.stats["decode_s"] for r in out) < sum(
-                        r.stats["decode_s"] for r in old
-                    ):
-                        best[(key, start)] = out
+                    kept = best[key].get(start)
+                    if kept is None or decode_time(out) < decode_time(kept):
+                        best[key][start] = out
                     bar.update(len(chunk))
     rows = {}
-    for key in keys:
+    for key, by_start in best.items():
         method, batch, gamma = key
-        results = [
-            r for (k, _), out in sorted(best.items(), key=lambda kv: kv[0][1]) if k == key for r in out
-        ]
+        results = [r for start in sorted(by_start) for r in by_start[start]]
         row = summarize(results, method, gamma, rows_per_batch(batch), args.new_tokens)
         rows[key] = {
             "method": method,

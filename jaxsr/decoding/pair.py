@@ -464,20 +464,17 @@ def expected_speedup(
     return tokens * baseline_cost / (c * gamma + verify_ratio + c * lam**gamma)
 
 
-def steps_to_finish(acceptance: float, gamma: int, tokens: int) -> np.ndarray:
+def finished_by_step(acceptance: float, gamma: int, tokens: int) -> np.ndarray:
     """P(a row has committed `tokens` tokens after n speculative steps), n = 0 … tokens: each step
     commits 1 + A tokens, P(A ≥ i) = λ^i for i ≤ γ (independent acceptances)."""
-    lam = min(max(acceptance, 0.0), 1.0)
-    extra = np.array([lam**a * (1 - lam) for a in range(gamma)] + [lam**gamma])
-    have = np.zeros(tokens + 1)  # committed tokens, capped at `tokens` (absorbing)
+    lam = acceptance
+    commits = np.array([0.0] + [lam**a * (1 - lam) for a in range(gamma)] + [lam**gamma])  # by count
+    have = np.zeros(tokens + 1)  # committed tokens, `tokens` absorbing
     have[0] = 1.0
-    done = [have[tokens]]
+    done = [0.0]
     for _ in range(tokens):
-        nxt = np.zeros_like(have)
-        nxt[tokens] = have[tokens]
-        for a, w in enumerate(extra):
-            np.add.at(nxt, np.minimum(np.arange(tokens) + a + 1, tokens), have[:tokens] * w)
-        have = nxt
+        spread = np.convolve(have[:tokens], commits)
+        have = np.append(spread[:tokens], have[tokens] + spread[tokens:].sum())
         done.append(have[tokens])
     return np.asarray(done)
 
@@ -496,9 +493,10 @@ def expected_batch_speedup(
     `baseline_cost` target calls. One row and many tokens give back `expected_speedup`."""
     if tokens <= 0 or not acceptances:
         return 1.0
-    finished = np.prod([steps_to_finish(lam, gamma, tokens) for lam in acceptances], axis=0)
+    lams = [min(max(lam, 0.0), 1.0) for lam in acceptances]
+    finished = np.prod([finished_by_step(lam, gamma, tokens) for lam in lams], axis=0)
     steps = float(np.sum(1.0 - finished))  # E[max] = Σ_n P(max > n)
-    any_full = 1.0 - float(np.prod([1.0 - min(max(lam, 0.0), 1.0) ** gamma for lam in acceptances]))
+    any_full = 1.0 - float(np.prod([1.0 - lam**gamma for lam in lams]))
     per_step = cost_ratio * gamma + verify_ratio + cost_ratio * any_full
     return tokens * baseline_cost / (steps * per_step)
 
