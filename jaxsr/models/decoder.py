@@ -179,8 +179,9 @@ class Decoder(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Language-model logits in float32."""
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.einsum("...d,dv->...v", hidden, head, preferred_element_type=jnp.float32)
+        if self.lm_head is None:  # tied: contract with the [V, D] table as stored, no transposed copy
+            return jnp.einsum("...d,vd->...v", hidden, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def scores(self, hidden: jax.Array, mask: jax.Array) -> jax.Array:
         """Reward-head outputs [B, num_labels] (float32) at each row's last non-pad token."""
