@@ -1,16 +1,17 @@
 """jaxsr: inference-time alignment decoding in JAX (Best-of-N, Speculative Rejection, speculative and
 contrastive decoding)."""
 
-from jaxsr.decoding.contrastive import contrastive_decode
 from jaxsr.decoding.decoders import (
     PairDecoder,
+    contrastive_decode,
     contrastive_decoder,
+    speculative_contrastive_decode,
     speculative_contrastive_decoder,
+    speculative_decode,
     speculative_decoder,
 )
 from jaxsr.decoding.generate import generate
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.decoding.speculative import speculative_contrastive_decode, speculative_decode
 from jaxsr.loading.api import load_model, load_reward_model, save_model
 from jaxsr.loading.encoder import load_encoder
 from jaxsr.models.encoder import EncoderModel

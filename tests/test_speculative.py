@@ -16,7 +16,8 @@ from tiny import tiny_model
 
 import jaxsr
 from jaxsr.decoding import pair, sampler
-from jaxsr.decoding.contrastive import contrastive_decode, contrastive_scores, make_contrast
+from jaxsr.decoding.contrastive import contrastive_scores, make_contrast
+from jaxsr.decoding.decoders import contrastive_decode, speculative_contrastive_decode, speculative_decode
 from jaxsr.decoding.prompts import left_pad
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import (
@@ -25,8 +26,6 @@ from jaxsr.decoding.speculative import (
     accepted_count,
     next_distribution,
     residual,
-    speculative_contrastive_decode,
-    speculative_decode,
 )
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]

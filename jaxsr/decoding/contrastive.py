@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -24,18 +22,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsr.decoding import pair
-from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_decode_args, to_results
 from jaxsr.decoding.pair import Contrast, Method, SpeculativeState
-from jaxsr.decoding.prompts import encode_prompts
 from jaxsr.decoding.sampler import _choose, _record
-from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.cache import PromptCache
 from jaxsr.models.layers import MASKED
-from jaxsr.models.model import Model
-from jaxsr.results import Result
 
 ContrastKind = Literal["obrien", "li"]
-DEFAULT_SAMPLING = SamplingConfig()
 
 
 def _number(name: str, value: Any) -> float:
@@ -127,50 +119,3 @@ class ContrastiveDecoding(Method):
         base = _record(base.replace(rows=target_rows), tokens, pair.token_logprob(z_e, tokens), active)
         state = pair.with_lengths(state, base.replace(steps=base.steps + 1), draft_rows)
         return state.replace(draft_steps=draft_steps, target_calls=state.target_calls + active)
-
-
-def contrastive_decode(
-    expert: Model,
-    amateur: Model,
-    prompts: Sequence[str] | Sequence[Sequence[int]],
-    *,
-    alpha: float = 0.1,
-    beta: float = 0.5,
-    max_new_tokens: int,
-    sampling: SamplingConfig = DEFAULT_SAMPLING,
-    num_samples: int = 1,
-    seed: int = 0,
-    contrast: ContrastKind = "obrien",
-    tau: float = 1.0,
-    chat: bool | None = None,
-    stop_token_ids: Sequence[int] = (),
-    max_rows: int = DEFAULT_MAX_ROWS,
-    prompt_offset: int = 0,
-) -> list[Result]:
-    """Sample `num_samples` responses per prompt from the contrastive distribution (see the module
-    docstring); greedy when `sampling.temperature == 0`. Prompts are encoded with the expert's
-    tokenizer and stop on the expert's EOS ids (plus `stop_token_ids`). `Sample.logprob` is the
-    expert's own log-probability of the tokens; `stats["token_forwards"]` has "expert" and "amateur"."""
-    pair.check_pair(expert, amateur, ("expert", "amateur"))
-    weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
-    sampling, max_new_tokens, num_samples, max_rows, seed = check_decode_args(
-        sampling, max_new_tokens, num_samples, max_rows, seed
-    )
-    encoded = encode_prompts(expert, prompts, chat=chat)
-    pair.check_pair_context(expert, amateur, encoded, max_new_tokens)
-    t0 = time.perf_counter()
-    run = pair.decode_pairs(
-        ContrastiveDecoding(sampling),
-        weights,
-        expert,
-        amateur,
-        encoded,
-        roles=("expert", "amateur"),
-        num_samples=num_samples,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        stop_token_ids=stop_token_ids,
-        max_rows=max_rows,
-        prompt_offset=prompt_offset,
-    )
-    return to_results(expert, prompts, run.samples, run.stats, (time.perf_counter() - t0) / len(encoded))

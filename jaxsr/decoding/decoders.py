@@ -1,27 +1,35 @@
-"""Decoders that search procedures drive in place of a single model.
+"""Pair decoders: speculative, contrastive and speculative contrastive decoding as one object, the
+calls that decode prompts with them, and the engines that search procedures drive.
 
-`best_of_n` and `speculative_rejection` take a `Model` (plain sampling) or a `PairDecoder` built by
-`speculative_decoder`, `contrastive_decoder` or `speculative_contrastive_decoder`, so Speculative
-Rejection over speculative-contrastive decoding is one call. A search procedure sees either through the
-same `Engine` operations — prefill, init, decode until a pause, compact survivors — over a state whose
-`base` is the plain sampler's `DecodeState` (tokens, flags, log-probabilities, random-stream ids).
+`speculative_decode`, `contrastive_decode` and `speculative_contrastive_decode` build a `PairDecoder`
+(with `speculative_decoder`, `contrastive_decoder`, `speculative_contrastive_decoder`, which validate
+the pair and the method's arguments) and run it. `best_of_n` and `speculative_rejection` take a `Model`
+(plain sampling) or a `PairDecoder`, so Speculative Rejection over speculative contrastive decoding is
+one call. A search procedure sees either through the same `Engine` operations — prefill, init, decode
+until a pause, compact survivors — over a state whose `base` is the plain sampler's `DecodeState`
+(tokens, flags, log-probabilities, random-stream ids).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
 
 from jaxsr.decoding import pair, sampler
 from jaxsr.decoding.contrastive import ContrastiveDecoding, ContrastKind, make_contrast
-from jaxsr.decoding.generate import RawSample, sample_many
-from jaxsr.decoding.prompts import check_context, check_positive_int
+from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, RawSample, check_decode_args, sample_many, to_results
+from jaxsr.decoding.prompts import check_context, check_positive_int, encode_prompts
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import SpeculativeDecoding
 from jaxsr.models.model import Model
+from jaxsr.results import Result
+
+Prompts = Sequence[str] | Sequence[Sequence[int]]
 
 PairKind = Literal["speculative", "contrastive", "speculative_contrastive"]
 
@@ -223,3 +231,168 @@ def as_engine(decoder: Any, sampling: SamplingConfig) -> Engine:
         "model: expected a jaxsr.Model (language model) or a decoder from jaxsr.speculative_decoder / "
         f"contrastive_decoder / speculative_contrastive_decoder, got {type(decoder).__name__}"
     )
+
+
+# -- one call: prompts in, results out ----------------------------------------------------------------
+
+
+def decode_with(
+    decoder: PairDecoder,
+    prompts: Prompts,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    num_samples: int,
+    seed: int,
+    chat: bool | None,
+    stop_token_ids: Sequence[int],
+    max_rows: int,
+    prompt_offset: int,
+    baseline: bool = False,
+    measure_cost: bool = False,
+) -> list[Result]:
+    """Decode `prompts` with `decoder`. For the speculative kinds the stats add acceptance, the
+    measured cost ratios (`measure_cost`), the predicted speed-up and, with `baseline`, the measured one
+    against the method's own baseline: the target alone (SD) or contrastive decoding (SCD)."""
+    sampling, max_new_tokens, num_samples, max_rows, seed = check_decode_args(
+        sampling, max_new_tokens, num_samples, max_rows, seed
+    )
+    target, second = decoder.target, decoder.second
+    encoded = encode_prompts(target, prompts, chat=chat)
+    pair.check_pair_context(target, second, encoded, max_new_tokens)
+    options = dict(
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+        max_rows=max_rows,
+        prompt_offset=prompt_offset,
+    )
+    method, weights = decoder.method(sampling), decoder.weights
+    t0 = time.perf_counter()
+    run = pair.decode_pairs(method, weights, target, second, encoded, roles=decoder.roles, **options)
+    wall = (time.perf_counter() - t0) / len(encoded)
+    if decoder.kind == "contrastive":
+        return to_results(target, prompts, run.samples, run.stats, wall)
+
+    gamma, contrastive = decoder.gamma, decoder.contrast is not None
+    cost, verify = pair.measure_call_costs(target, second, run, gamma) if measure_cost else (None, None)
+    stats = [
+        {**st, "gamma": gamma, **pair.acceptance_stats(rows)}
+        for st, rows in zip(run.stats, run.rows, strict=True)
+    ]
+    for st in stats:
+        st.update(cost_ratio=cost, verify_cost_ratio=verify, expected_speedup=None)
+        if st["acceptance_rate"] is not None and cost is not None:
+            baseline_cost = 1 + cost if contrastive else 1.0  # CD runs both models every token
+            predicted = pair.expected_speedup(st["acceptance_rate"], gamma, cost, verify, baseline_cost)
+            st["expected_speedup"] = pair.finite_or_none(predicted)
+    if baseline:
+        reference = ContrastiveDecoding(sampling, use_amateur=contrastive)
+        base_s = pair.decode_pairs(
+            reference, weights, target, second, encoded, roles=decoder.roles, **options
+        ).decode_s
+        for st in stats:
+            st.update(
+                baseline_decode_s=base_s / len(encoded),
+                speedup=base_s / run.decode_s if run.decode_s > 0 else None,
+            )
+    return to_results(target, prompts, run.samples, stats, wall)
+
+
+def contrastive_decode(
+    expert: Model,
+    amateur: Model,
+    prompts: Prompts,
+    *,
+    alpha: float = 0.1,
+    beta: float = 0.5,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    num_samples: int = 1,
+    seed: int = 0,
+    contrast: ContrastKind = "obrien",
+    tau: float = 1.0,
+    chat: bool | None = None,
+    stop_token_ids: Sequence[int] = (),
+    max_rows: int = DEFAULT_MAX_ROWS,
+    prompt_offset: int = 0,
+) -> list[Result]:
+    """Sample `num_samples` responses per prompt from the contrastive distribution (see
+    `jaxsr.decoding.contrastive`); greedy when `sampling.temperature == 0`. Prompts are encoded with the
+    expert's tokenizer and stop on the expert's EOS ids (plus `stop_token_ids`). `Sample.logprob` is the
+    expert's own log-probability of the tokens; `stats["token_forwards"]` has "expert" and "amateur"."""
+    decoder = contrastive_decoder(expert, amateur, alpha=alpha, beta=beta, contrast=contrast, tau=tau)
+    return decode_with(
+        decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
+        seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
+    )  # fmt: skip
+
+
+def speculative_decode(
+    target: Model,
+    draft: Model,
+    prompts: Prompts,
+    *,
+    gamma: int = 4,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    num_samples: int = 1,
+    seed: int = 0,
+    chat: bool | None = None,
+    stop_token_ids: Sequence[int] = (),
+    max_rows: int = DEFAULT_MAX_ROWS,
+    prompt_offset: int = 0,
+    baseline: bool = False,
+    measure_cost: bool = True,
+) -> list[Result]:
+    """Samples from `target` (after `sampling`'s processing) exactly, drafting γ tokens per target call.
+
+    `Result.stats`: acceptance_rate λ, tokens_per_target_call, cost_ratio c (one draft call / one
+    1-token target call) and verify_cost_ratio v (one (γ+1)-token verification call / one 1-token target
+    call), both measured on this call's shapes, and expected_speedup (see `pair.expected_speedup`:
+    (1−λ^{γ+1}) / ((1−λ)(v + cγ + cλ^γ)), Leviathan et al.'s formula when v = 1); with `baseline=True`
+    also plain target sampling is run and timed: baseline_decode_s and speedup.
+    `token_forwards` has "generator" (the target) and "draft". Prompts are encoded with the target's
+    tokenizer and stop on its EOS ids."""
+    decoder = speculative_decoder(target, draft, gamma=gamma)
+    return decode_with(
+        decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
+        seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
+        baseline=baseline, measure_cost=measure_cost,
+    )  # fmt: skip
+
+
+def speculative_contrastive_decode(
+    expert: Model,
+    amateur: Model,
+    prompts: Prompts,
+    *,
+    gamma: int = 4,
+    alpha: float = 0.1,
+    beta: float = 0.5,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    num_samples: int = 1,
+    seed: int = 0,
+    contrast: ContrastKind = "obrien",
+    tau: float = 1.0,
+    chat: bool | None = None,
+    stop_token_ids: Sequence[int] = (),
+    max_rows: int = DEFAULT_MAX_ROWS,
+    prompt_offset: int = 0,
+    baseline: bool = False,
+    measure_cost: bool = True,
+) -> list[Result]:
+    """Samples exactly from `contrastive_decode`'s distribution, the amateur drafting γ tokens per
+    expert call (it is both the draft and the contrast). Stats as `speculative_decode`, with
+    `token_forwards` keys "expert" and "amateur"; the baseline is `contrastive_decode`, which costs
+    1 + c target calls per token, so expected_speedup is (1+c)·E[tokens per step] / (v + cγ + cλ^γ)."""
+    decoder = speculative_contrastive_decoder(
+        expert, amateur, gamma=gamma, alpha=alpha, beta=beta, contrast=contrast, tau=tau
+    )
+    return decode_with(
+        decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
+        seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
+        baseline=baseline, measure_cost=measure_cost,
+    )  # fmt: skip

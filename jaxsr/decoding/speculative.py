@@ -29,9 +29,6 @@ Randomness of a step comes from `row_keys(seed, prompt, sample, n)`, so a row's 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,20 +36,12 @@ from flax import nnx
 
 from jaxsr.decoding import pair
 from jaxsr.decoding.contrastive import (
-    DEFAULT_SAMPLING,
-    ContrastiveDecoding,
-    ContrastKind,
     contrastive_scores,
-    make_contrast,
 )
-from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_decode_args, to_sample
 from jaxsr.decoding.pair import Contrast, Method, SpeculativeState, probabilities
-from jaxsr.decoding.prompts import check_positive_int, encode_prompts
 from jaxsr.decoding.sampler import _record, row_keys
-from jaxsr.decoding.sampling import SamplingConfig, draw_from
+from jaxsr.decoding.sampling import draw_from
 from jaxsr.models.cache import PromptCache
-from jaxsr.models.model import Model
-from jaxsr.results import Result
 
 # -- the acceptance rule, as pure functions of distributions -----------------------------------------
 
@@ -176,142 +165,3 @@ class SpeculativeDecoding(Method):
             accepted=state.accepted + jnp.where(active, a, 0),
             tested=state.tested + jnp.where(active, jnp.minimum(a + 1, g), 0),
         )
-
-
-# -- public functions --------------------------------------------------------------------------------
-
-
-def _speculative(
-    target: Model,
-    draft: Model,
-    prompts: Sequence[str] | Sequence[Sequence[int]],
-    *,
-    contrast: Contrast | None,
-    gamma: Any,
-    max_new_tokens: Any,
-    sampling: Any,
-    num_samples: Any,
-    seed: Any,
-    chat: bool | None,
-    stop_token_ids: Sequence[int],
-    max_rows: Any,
-    prompt_offset: int,
-    baseline: bool,
-    measure_cost: bool,
-) -> list[Result]:
-    gamma = check_positive_int("gamma", gamma)
-    sampling, max_new_tokens, num_samples, max_rows, seed = check_decode_args(
-        sampling, max_new_tokens, num_samples, max_rows, seed
-    )
-    encoded = encode_prompts(target, prompts, chat=chat)
-    pair.check_pair_context(target, draft, encoded, max_new_tokens)
-    contrastive = contrast is not None
-    weights = contrast if contrastive else Contrast.unused()
-    options = dict(
-        num_samples=num_samples,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        stop_token_ids=stop_token_ids,
-        max_rows=max_rows,
-        prompt_offset=prompt_offset,
-    )
-    t0 = time.perf_counter()
-    roles = ("expert", "amateur") if contrastive else ("generator", "draft")
-    method = SpeculativeDecoding(sampling, gamma=gamma)
-    run = pair.decode_pairs(method, weights, target, draft, encoded, roles=roles, **options)
-    wall = (time.perf_counter() - t0) / len(encoded)
-    costs = pair.measure_call_costs(target, draft, run, gamma) if measure_cost else None
-    cost, verify = costs if costs is not None else (None, None)
-    speedup = base_s = None
-    if baseline:
-        reference = ContrastiveDecoding(sampling, use_amateur=contrastive)
-        base_s = pair.decode_pairs(
-            reference, weights, target, draft, encoded, roles=roles, **options
-        ).decode_s
-        speedup = base_s / run.decode_s if run.decode_s > 0 else None
-    results = []
-    for prompt, rows, counters, st in zip(prompts, run.samples, run.rows, run.stats, strict=True):
-        acc = pair.acceptance_stats(counters)
-        lam = acc["acceptance_rate"]
-        stats = {"wall_s": wall, **st, "gamma": gamma, **acc, "cost_ratio": cost, "verify_cost_ratio": verify}
-        stats["expected_speedup"] = None
-        if lam is not None and cost is not None:
-            # against the method's own baseline: the target alone (SD) or contrastive decoding (SCD)
-            baseline_cost = 1 + cost if contrastive else 1.0
-            predicted = pair.expected_speedup(lam, gamma, cost, verify, baseline_cost)
-            stats["expected_speedup"] = pair.finite_or_none(predicted)
-        if baseline:
-            stats["baseline_decode_s"] = base_s / len(encoded)
-            stats["speedup"] = speedup
-        results.append(Result(prompt=prompt, samples=[to_sample(target, r) for r in rows], stats=stats))
-    return results
-
-
-def speculative_decode(
-    target: Model,
-    draft: Model,
-    prompts: Sequence[str] | Sequence[Sequence[int]],
-    *,
-    gamma: int = 4,
-    max_new_tokens: int,
-    sampling: SamplingConfig = DEFAULT_SAMPLING,
-    num_samples: int = 1,
-    seed: int = 0,
-    chat: bool | None = None,
-    stop_token_ids: Sequence[int] = (),
-    max_rows: int = DEFAULT_MAX_ROWS,
-    prompt_offset: int = 0,
-    baseline: bool = False,
-    measure_cost: bool = True,
-) -> list[Result]:
-    """Samples from `target` (after `sampling`'s processing) exactly, drafting γ tokens per target call.
-
-    `Result.stats`: acceptance_rate λ, tokens_per_target_call, cost_ratio c (one draft call / one
-    1-token target call) and verify_cost_ratio v (one (γ+1)-token verification call / one 1-token target
-    call), both measured on this call's shapes, and expected_speedup (see `pair.expected_speedup`:
-    (1−λ^{γ+1}) / ((1−λ)(v + cγ + cλ^γ)), Leviathan et al.'s formula when v = 1); with `baseline=True`
-    also plain target sampling is run and timed: baseline_decode_s and speedup.
-    `token_forwards` has "generator" (the target) and "draft". Prompts are encoded with the target's
-    tokenizer and stop on its EOS ids."""
-    pair.check_pair(target, draft, ("target", "draft"))
-    return _speculative(
-        target, draft, prompts, contrast=None, gamma=gamma,
-        max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed, chat=chat,
-        stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset, baseline=baseline,
-        measure_cost=measure_cost,
-    )  # fmt: skip
-
-
-def speculative_contrastive_decode(
-    expert: Model,
-    amateur: Model,
-    prompts: Sequence[str] | Sequence[Sequence[int]],
-    *,
-    gamma: int = 4,
-    alpha: float = 0.1,
-    beta: float = 0.5,
-    max_new_tokens: int,
-    sampling: SamplingConfig = DEFAULT_SAMPLING,
-    num_samples: int = 1,
-    seed: int = 0,
-    contrast: ContrastKind = "obrien",
-    tau: float = 1.0,
-    chat: bool | None = None,
-    stop_token_ids: Sequence[int] = (),
-    max_rows: int = DEFAULT_MAX_ROWS,
-    prompt_offset: int = 0,
-    baseline: bool = False,
-    measure_cost: bool = True,
-) -> list[Result]:
-    """Samples exactly from `contrastive_decode`'s distribution, the amateur drafting γ tokens per
-    expert call (it is both the draft and the contrast). Stats as `speculative_decode`, with
-    `token_forwards` keys "expert" and "amateur"; the baseline is `contrastive_decode`, which costs
-    1 + c target calls per token, so expected_speedup is (1+c)·E[tokens per step] / (v + cγ + cλ^γ)."""
-    pair.check_pair(expert, amateur, ("expert", "amateur"))
-    weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
-    return _speculative(
-        expert, amateur, prompts, contrast=weights, gamma=gamma,
-        max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples, seed=seed, chat=chat,
-        stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset, baseline=baseline,
-        measure_cost=measure_cost,
-    )  # fmt: skip

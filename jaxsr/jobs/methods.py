@@ -5,12 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from jaxsr.decoding.contrastive import contrastive_decode
-from jaxsr.decoding.decoders import contrastive_decoder, speculative_contrastive_decoder, speculative_decoder
+from jaxsr.decoding.decoders import (
+    contrastive_decode,
+    contrastive_decoder,
+    speculative_contrastive_decode,
+    speculative_contrastive_decoder,
+    speculative_decode,
+    speculative_decoder,
+)
 from jaxsr.decoding.generate import generate
 from jaxsr.decoding.prompts import check_positive_int
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.decoding.speculative import speculative_contrastive_decode, speculative_decode
 from jaxsr.jobs.config import JobConfig
 from jaxsr.loading.api import load_model, load_reward_model
 from jaxsr.models.model import Model
