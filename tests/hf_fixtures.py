@@ -94,7 +94,14 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama_head_dim": _spec("LlamaConfig", "LlamaForCausalLM", **_llama_kwargs(head_dim=16)),
     "llama_tied": _spec("LlamaConfig", "LlamaForCausalLM", **_llama_kwargs(tie_word_embeddings=True)),
     "mistral": _spec("MistralConfig", "MistralForCausalLM", **_llama_kwargs(sliding_window=None)),
+    # sliding attention windows: parity holds inside the window (jaxsr refuses longer contexts)
+    "mistral_window": _spec("MistralConfig", "MistralForCausalLM", **_llama_kwargs(sliding_window=16)),
     "qwen2": _spec("Qwen2Config", "Qwen2ForCausalLM", **_llama_kwargs(tie_word_embeddings=True)),
+    "qwen2_window": _spec(
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        **_llama_kwargs(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    ),
     "qwen2_untied": _spec("Qwen2Config", "Qwen2ForCausalLM", **_llama_kwargs()),
     "qwen3": _spec("Qwen3Config", "Qwen3ForCausalLM", **_llama_kwargs(head_dim=16, tie_word_embeddings=True)),
     "gpt2": _spec("GPT2Config", "GPT2LMHeadModel", **_gpt2_kwargs()),

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxsr.models.config import DecoderConfig
 from jaxsr.models.model import Model
 
 
@@ -54,13 +55,22 @@ def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> l
 
 
 def check_context(model: Model, prompts: list[list[int]], max_new_tokens: int) -> None:
-    context = model.config.max_position_embeddings
+    cfg = model.config
     for i, ids in enumerate(prompts):
-        if len(ids) + max_new_tokens > context:
+        if len(ids) + max_new_tokens > cfg.context:
             raise ValueError(
                 f"prompts[{i}]: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} exceed the "
-                f"model's context of {context}"
+                f"model's context of {cfg.context}{_window_note(cfg)}"
             )
+
+
+def _window_note(cfg: DecoderConfig) -> str:
+    if cfg.context == cfg.max_position_embeddings:
+        return ""
+    return (
+        f" (its sliding attention window, which jaxsr does not apply; positions go up to "
+        f"{cfg.max_position_embeddings})"
+    )
 
 
 def left_pad(prompts: list[list[int]], rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:

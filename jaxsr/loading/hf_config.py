@@ -54,6 +54,20 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, int]:
+    """(window, first windowed layer) as Hugging Face applies them, or (None, 0) for full attention."""
+    window, layers = hf.get("sliding_window"), hf["num_hidden_layers"]
+    if not window or model_type not in ("mistral", "qwen2", "qwen3"):
+        return None, 0
+    if model_type == "mistral":
+        return int(window), 0
+    if hf.get("layer_types") is not None:
+        sliding = [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
+        return (int(window), sliding[0]) if sliding else (None, 0)
+    first = int(hf.get("max_window_layers", layers))
+    return (int(window), first) if hf.get("use_sliding_window") and first < layers else (None, 0)
+
+
 def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
@@ -90,6 +104,7 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         )
     heads = hf["num_attention_heads"]
     theta, scaling = _rope(hf)
+    window, first_sliding_layer = _sliding_window(hf, model_type)
     return DecoderConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -111,6 +126,8 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         num_labels=_num_labels(hf),
         model_type=model_type,
+        sliding_window=window,
+        first_sliding_layer=first_sliding_layer,
     )
 
 
@@ -158,6 +175,12 @@ def hf_config_from_decoder(cfg: DecoderConfig) -> dict[str, Any]:
         if cfg.qkv_bias != cfg.out_bias:
             raise ValueError("cfg: a Llama/Mistral config.json has one attention_bias for q/k/v and o")
         hf["attention_bias"] = cfg.qkv_bias
+    if cfg.model_type == "mistral":
+        hf["sliding_window"] = cfg.sliding_window
+    elif cfg.model_type in ("qwen2", "qwen3"):
+        windowed = cfg.sliding_window is not None
+        hf |= {"use_sliding_window": windowed, "sliding_window": cfg.sliding_window}
+        hf["max_window_layers"] = cfg.first_sliding_layer if windowed else cfg.num_layers
     if cfg.rope_scaling is not None:
         hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
     return hf

@@ -43,12 +43,22 @@ class DecoderConfig:
     num_labels: int = 0
     """Outputs of a sequence-classification (reward) head; 0 means a language-model head."""
     model_type: str = "llama"
+    sliding_window: int | None = None
+    """Keys more than this many positions back are masked in layers `first_sliding_layer` onwards
+    (Mistral v0.1; Qwen2/3 with use_sliding_window). jaxsr does not apply the window: it refuses
+    sequences longer than it (`context`), inside which windowed and full attention agree."""
+    first_sliding_layer: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+
+    @property
+    def context(self) -> int:
+        """The longest sequence (prompt + generated) this model computes exactly here."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     @property
     def is_reward_model(self) -> bool:

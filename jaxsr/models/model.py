@@ -92,10 +92,10 @@ class Model:
     def check_tokens(self, tokens: jax.Array) -> None:
         if int(tokens.max(initial=0)) >= self.config.vocab_size or int(tokens.min(initial=0)) < 0:
             raise ValueError(f"token_ids: ids must lie in [0, {self.config.vocab_size})")
-        if tokens.shape[1] > self.config.max_position_embeddings:
+        if tokens.shape[1] > self.config.context:
             raise ValueError(
-                f"token_ids: length {tokens.shape[1]} exceeds the model's context of "
-                f"{self.config.max_position_embeddings}"
+                f"token_ids: length {tokens.shape[1]} exceeds the model's context of {self.config.context}"
+                + ("" if self.config.sliding_window is None else " (its sliding attention window)")
             )
 
     def logits(self, token_ids: Any, attention_mask: Any = None) -> jax.Array:

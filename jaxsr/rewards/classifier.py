@@ -75,7 +75,7 @@ class ClassifierReward:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(prompt + "\n" + response)["input_ids"]
-        context = self.model.config.max_position_embeddings
+        context = self.model.config.context
         return ids[-context:] if len(ids) > context else ids
 
     def token_scorer(self, generator: Model, prompt: str, max_new_tokens: int) -> TokenScorer | None:
@@ -92,7 +92,7 @@ class ClassifierReward:
         prefix, suffix = encode(before), encode(after)
         prefix_slots = bucket(len(prefix))
         width = bucket(prefix_slots + bucket(max_new_tokens) + len(suffix))
-        if width > self.model.config.max_position_embeddings or not suffix:
+        if width > self.model.config.context or not suffix:
             return None
         padded = np.zeros(prefix_slots, np.int32)
         padded[: len(prefix)] = prefix
@@ -111,7 +111,7 @@ class ClassifierReward:
         for start in range(0, len(encoded), self.batch_size):
             chunk = encoded[start : start + self.batch_size]
             rows = bucket(len(chunk), 1)
-            length = min(bucket(max(map(len, chunk))), self.model.config.max_position_embeddings)
+            length = min(bucket(max(map(len, chunk))), self.model.config.context)
             tokens, mask = left_pad(chunk, rows, length)
             mask[len(chunk) :, -1] = 1  # padding rows score one pad token instead of nothing
             self.token_forwards += rows * length
