@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -64,6 +64,70 @@ def stop_id_matrix(model: Model, rows: int, extra: Sequence[int]) -> np.ndarray:
     return matrix
 
 
+def batches(prompts: list[list[int]], num_samples: int, max_rows: int) -> Iterator[tuple[int, int, int]]:
+    """(first prompt, padded prompt count P, samples per prompt G) of each batch of at most `max_rows`
+    rows: G = min(num_samples, max_rows) samples of P prompts, P a power of two (one compiled shape
+    for every full batch); a prompt with more than G samples gets them in several batches."""
+    G = min(num_samples, max_rows)
+    per_batch = 1 << (max(1, max_rows // G).bit_length() - 1)
+    for start in range(0, len(prompts), per_batch):
+        yield start, min(bucket(len(prompts[start : start + per_batch]), 1), per_batch), G
+
+
+def row_inputs(
+    model: Model,
+    *,
+    prompts: int,
+    real_prompts: int,
+    samples_per_prompt: int,
+    first_sample: int,
+    num_samples: int,
+    max_new_tokens: int,
+    seed: int,
+    first_prompt_id: int,
+    stop_token_ids: Sequence[int],
+) -> dict[str, Any]:
+    """`init_state`'s per-row keywords for samples first_sample … first_sample + G − 1 of `prompts`
+    prompts (rows grouped by prompt; padding prompts and samples past `num_samples` are not alive).
+    A row's (seed, prompt id, sample id) is its random stream, whatever the batch it is in."""
+    G = samples_per_prompt
+    sample_ids = np.tile(first_sample + np.arange(G), prompts)
+    real = np.repeat(np.arange(prompts) < real_prompts, G)
+    return dict(
+        samples_per_prompt=G,
+        seed=np.uint32(seed),
+        prompt_ids=jnp.arange(prompts, dtype=jnp.int32) + first_prompt_id,
+        sample_ids=jnp.asarray(sample_ids, jnp.int32),
+        alive=jnp.asarray(real & (sample_ids < num_samples)),
+        max_new_tokens=jnp.full((prompts * G,), max_new_tokens, jnp.int32),
+        stop_ids=jnp.asarray(stop_id_matrix(model, prompts * G, stop_token_ids)),
+    )
+
+
+def raw_samples(
+    tokens: np.ndarray,
+    num_generated: np.ndarray,
+    finished: np.ndarray,
+    alive: np.ndarray,
+    logprob: np.ndarray,
+    *,
+    samples_per_prompt: int,
+    first_prompt: int,
+    first_sample: int,
+) -> Iterator[tuple[int, RawSample]]:
+    """(row, sample) for each alive row of a decoded batch, from host copies of its state."""
+    for row in np.flatnonzero(alive):
+        p, s = divmod(int(row), samples_per_prompt)
+        n = int(num_generated[row]) - bool(finished[row])
+        tokens_row = tokens[row, :n].tolist()
+        yield (
+            int(row),
+            RawSample(
+                first_prompt + p, first_sample + s, tokens_row, bool(finished[row]), float(logprob[row])
+            ),
+        )
+
+
 def sample_many(
     model: Model,
     prompts: list[list[int]],
@@ -81,14 +145,11 @@ def sample_many(
     Returns per prompt its samples (by sample index) and stats (work of a batch is shared evenly
     among the real prompts in it). Compilation is timed apart (`compile_s`) so that `decode_s`
     measures decoding alone."""
-    G = min(num_samples, max_rows)
-    per_batch = 1 << (max(1, max_rows // G).bit_length() - 1)
     capacity = bucket(max_new_tokens)
     samples: list[list[RawSample]] = [[] for _ in prompts]
     stats: list[dict[str, Any]] = [{} for _ in prompts]
-    for start in range(0, len(prompts), per_batch):
-        chunk = prompts[start : start + per_batch]
-        P = min(bucket(len(chunk), 1), per_batch)
+    for start, P, G in batches(prompts, num_samples, max_rows):
+        chunk = prompts[start : start + P]
         S = bucket(max(len(p) for p in chunk))
         t0 = time.perf_counter()
         tokens, mask = left_pad(chunk, P, S)
@@ -98,21 +159,12 @@ def sample_many(
         forwards = P * S
         compile_s = decode_s = 0.0
         for first in range(0, num_samples, G):
-            sample_ids = np.tile(first + np.arange(G), P)
-            real_prompt = np.repeat(np.arange(P) < len(chunk), G)
-            state = init_state(
-                last_logits,
-                prompt_cache,
-                samples_per_prompt=G,
-                capacity=capacity,
-                sampling=sampling,
-                seed=np.uint32(seed),
-                prompt_ids=jnp.arange(P, dtype=jnp.int32) + prompt_offset + start,
-                sample_ids=jnp.asarray(sample_ids, jnp.int32),
-                alive=jnp.asarray(real_prompt & (sample_ids < num_samples)),
-                max_new_tokens=jnp.full((P * G,), max_new_tokens, jnp.int32),
-                stop_ids=jnp.asarray(stop_id_matrix(model, P * G, stop_token_ids)),
-            )
+            rows = row_inputs(
+                model, prompts=P, real_prompts=len(chunk), samples_per_prompt=G, first_sample=first,
+                num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed,
+                first_prompt_id=prompt_offset + start, stop_token_ids=stop_token_ids,
+            )  # fmt: skip
+            state = init_state(last_logits, prompt_cache, capacity=capacity, sampling=sampling, **rows)
             t1 = time.perf_counter()
             loop = decode_loop.lower(
                 model.graph, model.params, state, prompt_cache, sampling=sampling
@@ -131,16 +183,11 @@ def sample_many(
             )
             compile_s += t2 - t1
             decode_s += time.perf_counter() - t2
-            buf, num, finished, alive, logprob, steps = out
-            forwards += int(steps) * P * G
-            for row in np.flatnonzero(alive):
-                p, s = divmod(int(row), G)
-                n = int(num[row]) - bool(finished[row])
-                samples[start + p].append(
-                    RawSample(
-                        p + start, first + s, buf[row, :n].tolist(), bool(finished[row]), float(logprob[row])
-                    )
-                )
+            forwards += int(out[-1]) * P * G
+            for _, raw in raw_samples(
+                *out[:-1], samples_per_prompt=G, first_prompt=start, first_sample=first
+            ):
+                samples[raw.prompt_index].append(raw)
         for p in range(len(chunk)):
             stats[start + p] = {
                 "prefill_s": prefill_s / len(chunk),

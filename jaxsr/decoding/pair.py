@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxsr.decoding import sampler
-from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, RawSample, stop_id_matrix
+from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, RawSample, batches, raw_samples, row_inputs
 from jaxsr.decoding.prompts import check_context, left_pad
 from jaxsr.decoding.sampling import SamplingConfig, process_logits
 from jaxsr.ladder import bucket
@@ -344,16 +344,13 @@ def decode_pairs(
     Batching follows `generate.sample_many`; a batch's work is shared evenly among its real prompts
     (`token_forwards` keyed by `roles`: the (target, draft) role names).
     Compilation is timed apart (`compile_s`) so that `decode_s` measures decoding alone."""
-    G = min(num_samples, max_rows)
-    per_batch = 1 << (max(1, max_rows // G).bit_length() - 1)
     capacity = bucket(max_new_tokens)
     cache_capacity = capacity + method.headroom
     graphs = (target.graph, draft.graph)
     params = (target.params, draft.params)
     run = Run([[] for _ in prompts], [[] for _ in prompts], [{} for _ in prompts], 0.0)
-    for start in range(0, len(prompts), per_batch):
-        chunk = prompts[start : start + per_batch]
-        P = min(bucket(len(chunk), 1), per_batch)
+    for start, P, G in batches(prompts, num_samples, max_rows):
+        chunk = prompts[start : start + P]
         S = bucket(max(len(p) for p in chunk))
         t0 = time.perf_counter()
         tokens, mask = map(jnp.asarray, left_pad(chunk, P, S))
@@ -365,24 +362,15 @@ def decode_pairs(
         target_forwards = draft_forwards = P * S
         compile_s = decode_s = 0.0
         for first in range(0, num_samples, G):
-            sample_ids = np.tile(first + np.arange(G), P)
-            real_prompt = np.repeat(np.arange(P) < len(chunk), G)
+            rows = row_inputs(
+                target, prompts=P, real_prompts=len(chunk), samples_per_prompt=G, first_sample=first,
+                num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed,
+                first_prompt_id=prompt_offset + start, stop_token_ids=stop_token_ids,
+            )  # fmt: skip
             state = init_state(
-                t_logits,
-                d_logits,
-                prompt_caches,
-                contrast,
-                method=method,
-                samples_per_prompt=G,
-                capacity=capacity,
-                cache_capacity=cache_capacity,
-                seed=np.uint32(seed),
-                prompt_ids=jnp.arange(P, dtype=jnp.int32) + prompt_offset + start,
-                sample_ids=jnp.asarray(sample_ids, jnp.int32),
-                alive=jnp.asarray(real_prompt & (sample_ids < num_samples)),
-                max_new_tokens=jnp.full((P * G,), max_new_tokens, jnp.int32),
-                stop_ids=jnp.asarray(stop_id_matrix(target, P * G, stop_token_ids)),
-            )
+                t_logits, d_logits, prompt_caches, contrast, method=method, capacity=capacity,
+                cache_capacity=cache_capacity, **rows,
+            )  # fmt: skip
             t1 = time.perf_counter()
             args = (params, state, prompt_caches, contrast)
             loop = decode_loop.lower(graphs, *args, method=method, pause_at=NO_PAUSE).compile()
@@ -396,20 +384,15 @@ def decode_pairs(
             t3 = time.perf_counter()
             compile_s += t2 - t1
             decode_s += t3 - t2
-            buf, num, finished, alive, logprob, steps, draft_steps, calls, accepted, tested = out
+            num, steps, draft_steps, calls, accepted, tested = out[1], *out[5:]
             target_forwards += int(steps) * P * G * method.target_positions
             draft_forwards += int(draft_steps) * P * G
-            for row in np.flatnonzero(alive):
-                p, s = divmod(int(row), G)
-                n = int(num[row]) - bool(finished[row])
-                run.samples[start + p].append(
-                    RawSample(
-                        p + start, first + s, buf[row, :n].tolist(), bool(finished[row]), float(logprob[row])
-                    )
-                )
-                run.rows[start + p].append(
-                    RowStats(int(num[row]), int(calls[row]), int(accepted[row]), int(tested[row]))
-                )
+            for row, raw in raw_samples(
+                *out[:5], samples_per_prompt=G, first_prompt=start, first_sample=first
+            ):
+                run.samples[raw.prompt_index].append(raw)
+                counters = RowStats(int(num[row]), int(calls[row]), int(accepted[row]), int(tested[row]))
+                run.rows[raw.prompt_index].append(counters)
             shapes = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (base.rows, state.draft_rows)
             )

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsr.decoding.decoders import Engine, PairDecoder, as_engine
-from jaxsr.decoding.generate import check_sampling, check_seed, stop_id_matrix
+from jaxsr.decoding.generate import check_sampling, check_seed, row_inputs
 from jaxsr.decoding.prompts import check_positive_int, encode_prompts, left_pad
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
@@ -224,17 +224,12 @@ def _one_prompt(
     forwards = dict.fromkeys(engine.roles, plan.prompt_slots)
 
     rows = plan.ladder[0]
+    first_rows = row_inputs(
+        model, prompts=1, real_prompts=1, samples_per_prompt=rows, first_sample=0, num_samples=rows,
+        max_new_tokens=max_new_tokens, seed=seed, first_prompt_id=prompt_id, stop_token_ids=stop_token_ids,
+    )  # fmt: skip
     state = engine.init_state(
-        prefilled,
-        samples_per_prompt=rows,
-        capacity=plan.max_slots,
-        cache_capacity=plan.capacity(rows) + plan.headroom,
-        seed=np.uint32(seed),
-        prompt_ids=jnp.asarray([prompt_id], jnp.int32),
-        sample_ids=jnp.arange(rows, dtype=jnp.int32),
-        alive=jnp.ones((rows,), bool),
-        max_new_tokens=jnp.full((rows,), max_new_tokens, jnp.int32),
-        stop_ids=jnp.asarray(stop_id_matrix(model, rows, stop_token_ids)),
+        prefilled, capacity=plan.max_slots, cache_capacity=plan.capacity(rows) + plan.headroom, **first_rows
     )
     kept_finished: list[Sample] = []  # finished responses that survived their decision point
     round_log: list[dict[str, Any]] = []
