@@ -211,5 +211,20 @@ def test_best_of_n_chunks_to_the_memory_budget(lm):
     )[0]
     assert [s.token_ids for s in chunked.samples] == [s.token_ids for s in whole.samples]
     assert chunked.best == whole.best
+    assert chunked.stats["batch_rows"] == 2 and chunked.stats["kv_slots"] <= 16 + 2 * 16
+
+
+def test_best_of_n_counts_every_prompt_cache_of_a_batch_in_the_budget(lm):
+    """Fewer samples than rows: a batch holds several prompts, and each has its own prompt cache."""
+    prompts = [[1 + i, 2, 3, 4, 5, 6, 7, 8, 9, 10] for i in range(8)]  # 16 prompt slots each
+    budget = 144  # 4 prompts with one 16-slot row each (128 slots), not the 8 rows after one prompt
+    results = jaxsr.best_of_n(lm, SelfLikelihood(), prompts, n=1, max_new_tokens=16, memory_budget=budget)
+    assert {r.stats["batch_rows"] for r in results} == {4}
+    assert all(r.stats["kv_bytes"] <= budget * lm.kv_slot_bytes for r in results)
+    alone = [
+        jaxsr.best_of_n(lm, SelfLikelihood(), [p], n=1, max_new_tokens=16, prompt_offset=i)[0]
+        for i, p in enumerate(prompts[:2])
+    ]
+    assert [r.best.token_ids for r in results[:2]] == [r.best.token_ids for r in alone]
     with pytest.raises(ValueError, match="n"):
         jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS, n=0, max_new_tokens=4)

@@ -143,7 +143,8 @@ def sample_many(
     """Sample `num_samples` continuations of each prompt; each prompt is prefilled exactly once.
 
     Returns per prompt its samples (by sample index) and stats (work of a batch is shared evenly
-    among the real prompts in it). Compilation is timed apart (`compile_s`) so that `decode_s`
+    among the real prompts in it; `batch_rows` and `kv_slots` — prompt + row cache slots — describe
+    the batch the prompt was decoded in). Compilation is timed apart (`compile_s`) so that `decode_s`
     measures decoding alone."""
     capacity = bucket(max_new_tokens)
     samples: list[list[RawSample]] = [[] for _ in prompts]
@@ -194,6 +195,8 @@ def sample_many(
                 "compile_s": compile_s / len(chunk),
                 "decode_s": decode_s / len(chunk),
                 "token_forwards": {"generator": forwards // len(chunk)},
+                "batch_rows": P * G,
+                "kv_slots": P * S + P * G * capacity,
             }
     for rows in samples:
         rows.sort(key=lambda r: r.sample_index)

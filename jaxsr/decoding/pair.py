@@ -341,8 +341,8 @@ def decode_pairs(
 ) -> Run:
     """`num_samples` continuations of each (encoded) prompt; each prompt is prefilled once per model.
 
-    Batching follows `generate.sample_many`; a batch's work is shared evenly among its real prompts
-    (`token_forwards` keyed by `roles`: the (target, draft) role names).
+    Batching and stats follow `generate.sample_many` (`token_forwards` keyed by `roles`: the (target,
+    draft) role names; `kv_slots` counts the slots of one model's caches).
     Compilation is timed apart (`compile_s`) so that `decode_s` measures decoding alone."""
     capacity = bucket(max_new_tokens)
     cache_capacity = capacity + method.headroom
@@ -409,6 +409,8 @@ def decode_pairs(
                     target_role: target_forwards // len(chunk),
                     draft_role: draft_forwards // len(chunk),
                 },
+                "batch_rows": P * G,
+                "kv_slots": P * S + P * G * cache_capacity,
             }
     for i, rows in enumerate(run.samples):
         order = np.argsort([r.sample_index for r in rows], kind="stable")

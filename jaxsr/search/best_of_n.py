@@ -37,7 +37,8 @@ def best_of_n(
     """N samples per prompt, all scored; `Result.best` is the argmax, `Result.samples` all N.
 
     `model` is a language model or a two-model decoder (`jaxsr.speculative_decoder` etc.). With a
-    `memory_budget` (KV token slots or bytes) the N rows are decoded in chunks that fit it."""
+    `memory_budget` (KV token slots or bytes) the N rows are decoded in chunks that fit it, prompt
+    caches included (`stats["kv_bytes"]`: the caches of the batch a prompt was decoded in)."""
     sampling = check_sampling(sampling)
     engine = as_engine(model, sampling)
     reward = as_reward(reward)
@@ -57,6 +58,10 @@ def best_of_n(
                 f"memory_budget: {slots} KV slots cannot hold one row ({prompt_slots + per_row})"
             )
         max_rows = max(1, 1 << ((slots - prompt_slots) // per_row).bit_length() - 1)
+        # with fewer samples than rows a batch holds several prompts, each with its own prompt cache
+        samples = min(n, max_rows)
+        prompts_per_batch = max(1, slots // (prompt_slots + samples * per_row))
+        max_rows = min(max_rows, samples * (1 << (prompts_per_batch.bit_length() - 1)))
     t0 = time.perf_counter()
     options = dict(
         num_samples=n,
@@ -96,6 +101,7 @@ def best_of_n(
             for r, t, s in zip(rows, texts, scores, strict=True)
         ]
         st["token_forwards"]["reward"] = reward.token_forwards - forwards_before
+        st["kv_bytes"] = st["kv_slots"] * engine.slot_bytes
         st["scoring_s"] = time.perf_counter() - t1
         st["wall_s"] = sample_s / len(encoded) + st["scoring_s"]
         results.append(Result(prompt=prompt, samples=samples, best=best(samples), stats=st))
