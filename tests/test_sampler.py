@@ -7,7 +7,8 @@ import pytest
 import scipy.stats
 import torch
 from compiles import compilations
-from tiny import tiny_model
+from flax import nnx
+from tiny import tiny_config, tiny_model
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -17,6 +18,8 @@ from transformers.generation.logits_process import (
 import jaxsr
 from jaxsr.decoding import sampler
 from jaxsr.decoding.sampling import CDF_BLOCK, SamplingConfig, draw_from, process_logits, top_k
+from jaxsr.models.decoder import Decoder
+from jaxsr.models.model import RewardModel
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13]]
 
@@ -241,12 +244,25 @@ def jax_log_softmax(x):
         ({"num_samples": 0}, ValueError, "num_samples"),
         ({"seed": -1}, TypeError, "seed"),
         ({"sampling": {"temperature": 1}}, TypeError, "sampling"),
+        ({"stop_token_ids": "ab"}, TypeError, "stop_token_ids"),
+        ({"stop_token_ids": [1.5]}, ValueError, "stop_token_ids"),
+        ({"stop_token_ids": [-5]}, ValueError, "stop_token_ids"),
+        ({"stop_token_ids": [64]}, ValueError, "stop_token_ids"),
+        ({"prompt_offset": -3}, ValueError, "prompt_offset"),
+        ({"prompt_offset": 2**31 + 5}, ValueError, "prompt_offset"),
+        ({"prompt_offset": "x"}, TypeError, "prompt_offset"),
     ],
 )
 def test_bad_input_is_refused(lm, kwargs, error, name):
     args = {"prompts": [[1, 2]], "max_new_tokens": 8, **kwargs}
     with pytest.raises(error, match=name.replace("[", r"\[").replace("]", r"\]")):
         jaxsr.generate(lm, **args)
+
+
+def test_a_reward_model_is_not_a_language_model():
+    rm = RewardModel.from_module(Decoder(tiny_config(num_labels=1), rngs=nnx.Rngs(0)), name="tiny-rm")
+    with pytest.raises(TypeError, match="model: a reward model"):
+        jaxsr.generate(rm, [[1, 2]], max_new_tokens=4)
 
 
 @pytest.mark.parametrize(

@@ -195,6 +195,8 @@ def test_parse_bytes():
         ({"rule": "median"}, ValueError, "rule"),
         ({"reward": object()}, TypeError, "reward"),
         ({"prompts": []}, ValueError, "prompts"),
+        ({"stop_token_ids": [-1]}, ValueError, "stop_token_ids"),
+        ({"prompt_offset": -1}, ValueError, "prompt_offset"),
     ],
 )
 def test_speculative_rejection_refuses_bad_input(lm, kwargs, error, name):
@@ -228,3 +230,5 @@ def test_best_of_n_counts_every_prompt_cache_of_a_batch_in_the_budget(lm):
     assert [r.best.token_ids for r in results[:2]] == [r.best.token_ids for r in alone]
     with pytest.raises(ValueError, match="n"):
         jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS, n=0, max_new_tokens=4)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS, n=2, max_new_tokens=4, stop_token_ids=[10**6])

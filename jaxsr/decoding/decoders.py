@@ -22,7 +22,14 @@ import jax
 
 from jaxsr.decoding import pair, sampler
 from jaxsr.decoding.contrastive import ContrastiveDecoding, ContrastKind, make_contrast
-from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, RawSample, check_decode_args, sample_many, to_results
+from jaxsr.decoding.generate import (
+    DEFAULT_MAX_ROWS,
+    RawSample,
+    check_decode_args,
+    check_row_ids,
+    sample_many,
+    to_results,
+)
 from jaxsr.decoding.prompts import check_context, check_positive_int, encode_prompts
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import SpeculativeDecoding
@@ -260,6 +267,7 @@ def decode_with(
     target, second = decoder.target, decoder.second
     encoded = encode_prompts(target, prompts, chat=chat)
     pair.check_pair_context(target, second, encoded, max_new_tokens)
+    stop_token_ids, prompt_offset = check_row_ids(target, stop_token_ids, prompt_offset)
     options = dict(
         num_samples=num_samples,
         max_new_tokens=max_new_tokens,

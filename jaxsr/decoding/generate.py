@@ -11,7 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsr.decoding.prompts import check_context, check_positive_int, encode_prompts, left_pad
+from jaxsr.decoding.prompts import (
+    check_context,
+    check_language_model,
+    check_positive_int,
+    encode_prompts,
+    left_pad,
+)
 from jaxsr.decoding.sampler import decode_loop, init_state, prefill
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
@@ -54,6 +60,24 @@ def check_decode_args(
         check_positive_int("max_rows", max_rows),
         check_seed(seed),
     )
+
+
+MAX_PROMPT_ID = 2**30  # prompt ids are int32 on device; a job of any size stays far below
+
+
+def check_row_ids(model: Model, stop_token_ids: Any, prompt_offset: Any) -> tuple[list[int], int]:
+    """Extra stop ids (token ids of `model`) and the index of a call's first prompt in its job."""
+    if isinstance(stop_token_ids, str | bytes) or not isinstance(stop_token_ids, Sequence | np.ndarray):
+        raise TypeError(f"stop_token_ids: expected a sequence of token ids, got {stop_token_ids!r}")
+    vocab = model.config.vocab_size
+    for i in stop_token_ids:
+        if isinstance(i, bool) or not isinstance(i, int | np.integer) or not 0 <= i < vocab:
+            raise ValueError(f"stop_token_ids: expected token ids in [0, {vocab}), got {i!r}")
+    if isinstance(prompt_offset, bool) or not isinstance(prompt_offset, int | np.integer):
+        raise TypeError(f"prompt_offset: expected an int, got {type(prompt_offset).__name__}")
+    if not 0 <= prompt_offset < MAX_PROMPT_ID:
+        raise ValueError(f"prompt_offset: expected an int in [0, 2**30), got {prompt_offset}")
+    return [int(i) for i in stop_token_ids], int(prompt_offset)
 
 
 def stop_id_matrix(model: Model, rows: int, extra: Sequence[int]) -> np.ndarray:
@@ -246,13 +270,13 @@ def generate(
 
     `max_rows` bounds the rows decoded together; `prompt_offset` is the index of `prompts[0]` in a
     larger job, so split or resumed jobs draw the same random streams as one whole call."""
-    if not isinstance(model, Model):
-        raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
+    check_language_model(model, "model")
     sampling, max_new_tokens, num_samples, max_rows, seed = check_decode_args(
         sampling, max_new_tokens, num_samples, max_rows, seed
     )
     encoded = encode_prompts(model, prompts, chat=chat)
     check_context(model, encoded, max_new_tokens)
+    stop_token_ids, prompt_offset = check_row_ids(model, stop_token_ids, prompt_offset)
     t0 = time.perf_counter()
     samples, stats = sample_many(
         model,

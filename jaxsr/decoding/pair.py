@@ -43,7 +43,7 @@ from flax import nnx, struct
 
 from jaxsr.decoding import sampler
 from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, RawSample, batches, raw_samples, row_inputs
-from jaxsr.decoding.prompts import check_context, left_pad
+from jaxsr.decoding.prompts import check_context, check_language_model, left_pad
 from jaxsr.decoding.sampling import SamplingConfig, process_logits
 from jaxsr.ladder import bucket
 from jaxsr.models.cache import PromptCache, RowCache
@@ -285,10 +285,7 @@ def compact(
 def check_pair(target: Any, draft: Any, names: tuple[str, str]) -> None:
     """Both must be language models over the same vocabulary (same ids for the same tokens)."""
     for model, name in zip((target, draft), names, strict=True):
-        if not isinstance(model, Model):
-            raise TypeError(f"{name}: expected a jaxsr.Model, got {type(model).__name__}")
-        if model.config.is_reward_model:
-            raise TypeError(f"{name}: a reward model has no language-model head")
+        check_language_model(model, name)
     t, d = target.config.vocab_size, draft.config.vocab_size
     if t != d:
         raise ValueError(f"{names[1]}: vocabulary of {d} tokens differs from the {names[0]}'s {t}")

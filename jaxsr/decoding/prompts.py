@@ -54,6 +54,14 @@ def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> l
     return encoded
 
 
+def check_language_model(model: Any, name: str) -> Model:
+    if not isinstance(model, Model):
+        raise TypeError(f"{name}: expected a jaxsr.Model, got {type(model).__name__}")
+    if model.config.is_reward_model:
+        raise TypeError(f"{name}: a reward model has no language-model head")
+    return model
+
+
 def check_context(model: Model, prompts: list[list[int]], max_new_tokens: int) -> None:
     cfg = model.config
     for i, ids in enumerate(prompts):

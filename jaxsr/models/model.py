@@ -100,6 +100,8 @@ class Model:
 
     def logits(self, token_ids: Any, attention_mask: Any = None) -> jax.Array:
         """[B, T, vocab] float32 logits; left-padded rows allowed (positions count real tokens)."""
+        if self.config.is_reward_model:
+            raise TypeError("logits: a reward model has no language-model head; use scores()")
         tokens, mask = as_token_batch(token_ids, attention_mask)
         self.check_tokens(tokens)
         return _logits(self.graph, self.params, tokens, mask)

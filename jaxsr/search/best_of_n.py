@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from jaxsr.decoding.decoders import PairDecoder, as_engine
-from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_sampling, check_seed
+from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, check_row_ids, check_sampling, check_seed
 from jaxsr.decoding.prompts import check_positive_int, encode_prompts
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
@@ -48,6 +48,7 @@ def best_of_n(
     lm = engine.model
     encoded = encode_prompts(lm, prompts, chat=chat)
     engine.check_context(encoded, max_new_tokens)
+    stop_token_ids, prompt_offset = check_row_ids(lm, stop_token_ids, prompt_offset)
     max_rows = DEFAULT_MAX_ROWS
     if memory_budget is not None:
         slots = budget_slots(memory_budget, engine.slot_bytes)

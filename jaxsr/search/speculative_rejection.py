@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsr.decoding.decoders import Engine, PairDecoder, as_engine
-from jaxsr.decoding.generate import check_sampling, check_seed, row_inputs
+from jaxsr.decoding.generate import check_row_ids, check_sampling, check_seed, row_inputs
 from jaxsr.decoding.prompts import check_positive_int, encode_prompts, left_pad
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
@@ -173,6 +173,7 @@ def speculative_rejection(
     seed = check_seed(seed)
     encoded = encode_prompts(engine.model, prompts, chat=chat)
     engine.check_context(encoded, max_new_tokens)
+    stop_token_ids, prompt_offset = check_row_ids(engine.model, stop_token_ids, prompt_offset)
     results = []
     for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
         prompt_slots = bucket(len(ids), min_prompt_bucket)
