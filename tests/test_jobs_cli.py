@@ -15,7 +15,7 @@ import yaml
 
 from jaxsr.cli import DEMO_OVERRIDES, main
 from jaxsr.jobs.config import JobConfig, load_job_config
-from jaxsr.jobs.runner import find_dataset
+from jaxsr.jobs.runner import find_dataset, read_prompts
 
 PROMPTS = ["Name a color.", "Say hi.", "Count to three.", "Pick a fruit."]
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
@@ -142,6 +142,19 @@ def test_malformed_configs_are_refused(tmp_path):
     path.write_text("- method: generate\n")
     with pytest.raises(ValueError, match="mapping"):
         load_job_config(path)
+    path.write_text("method: [generate\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_job_config(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_job_config(tmp_path)
+    assert load_job_config(None, ["output=[a"]).output == "[a"  # not YAML: the text itself
+
+
+def test_a_data_file_must_hold_a_list_of_records(tmp_path):
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps({"prompt": "Write a poem"}))
+    with pytest.raises(ValueError, match=r"data: .* expected a list"):
+        read_prompts(str(path))
 
 
 @pytest.mark.parametrize("override", ["max_new_tokens=abc", "limit=abc", "top_k=0.5", "seed=[1]"])
@@ -219,6 +232,20 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(job):
     assert [without_stats(r) for r in records] == [without_stats(r) for r in expected]
     assert cli("run", str(path), "limit=3") == 0  # a complete job: nothing to do, nothing written
     assert output.read_text() == resumed
+
+
+def test_a_job_killed_while_writing_its_header_starts_afresh(job):
+    path, output = job
+    assert cli("run", str(path), "limit=2") == 0
+    complete = output.read_text()
+    output.write_text(complete[:20])  # only part of the header reached the disk
+    assert cli("run", str(path), "limit=2") == 0
+    assert [without_stats(r) for r in read_jsonl_text(output.read_text())[1]] == [
+        without_stats(r) for r in read_jsonl_text(complete)[1]
+    ]
+    output.write_text('{"not": "ours"')  # a partial line that is not our header is not touched
+    assert cli("run", str(path), "limit=2") == 2
+    assert output.read_text() == '{"not": "ours"'
 
 
 def read_jsonl_text(text: str) -> tuple[dict, list[dict]]:

@@ -90,14 +90,22 @@ def _is_instance(value: Any, kind: type) -> bool:
 
 
 def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text  # not YAML (e.g. `output=[a`): the text itself, which the field's check judges
 
 
 def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
     """Read `path` (YAML mapping) and apply `key=value` overrides; unknown keys get a suggestion."""
     values: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML ({e})") from e
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read the config ({e.strerror or e})") from e
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a mapping of config keys")
         values.update(loaded)

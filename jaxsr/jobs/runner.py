@@ -1,4 +1,5 @@
-"""Run a job: prompts in, one JSONL record per prompt out, written as each prompt finishes.
+"""Run a job: prompts in, one JSONL record per prompt out, written as soon as the call that decoded the
+prompt returns (prompts decoded together in one batch finish together).
 
 The output starts with a header line naming the job's fingerprint. Re-running the same job resumes:
 prompts whose record is complete are skipped and a torn last line (from a kill) is cut off. An output
@@ -44,6 +45,8 @@ def read_prompts(source: str, limit: int | None = None) -> list[str]:
         if path.suffix == ".json"
         else [json.loads(l) for l in text.splitlines() if l.strip()]
     )
+    if not isinstance(records, list):
+        raise ValueError(f"data: {path} holds a JSON {type(records).__name__}, expected a list of records")
     prompts = []
     for i, record in enumerate(records):
         prompt = record.get("prompt") if isinstance(record, dict) else record
@@ -67,6 +70,9 @@ class JsonlOutput:
     def _resume(self) -> None:
         raw = self.path.read_bytes()
         complete = raw[: raw.rfind(b"\n") + 1]
+        if not complete and self._header_line().startswith(raw):  # killed while writing the header
+            self.path.write_bytes(b"")
+            return
         lines = complete.decode().splitlines()
         try:
             header = json.loads(lines[0]) if lines else {}
@@ -83,6 +89,9 @@ class JsonlOutput:
         if len(complete) < len(raw):  # a record torn by a kill: drop it, it will be redone
             with self.path.open("r+b") as f:
                 f.truncate(len(complete))
+
+    def _header_line(self) -> bytes:
+        return (json.dumps(self.header) + "\n").encode()
 
     def _append(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
