@@ -284,7 +284,8 @@ def decode_with(
         return to_results(target, prompts, run.samples, run.stats, wall)
 
     gamma, contrastive = decoder.gamma, decoder.contrast is not None
-    cost, verify = pair.measure_call_costs(target, second, run, gamma) if measure_cost else (None, None)
+    costs = pair.measure_call_costs(target, second, run, gamma) if measure_cost else None
+    cost, verify = costs or (None, None)
     stats = [
         {**st, "gamma": gamma, **pair.acceptance_stats(rows)}
         for st, rows in zip(run.stats, run.rows, strict=True)

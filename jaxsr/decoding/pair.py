@@ -316,7 +316,7 @@ class Run:
     stats: list[dict[str, Any]]
     decode_s: float
     """Total decode-loop time of the call (compilation excluded)."""
-    probe: tuple[Any, Any, PromptCache, PromptCache] | None = None
+    probe: tuple[Any, Any, Any, Any] | None = None
     """Shapes of the last batch's (target, draft) row caches and its prompt caches, for cost probes
     (shapes only: no finished batch's cache is kept alive while the next one decodes)."""
 
@@ -390,10 +390,10 @@ def decode_pairs(
                 run.samples[raw.prompt_index].append(raw)
                 counters = RowStats(int(num[row]), int(calls[row]), int(accepted[row]), int(tested[row]))
                 run.rows[raw.prompt_index].append(counters)
-            shapes = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (base.rows, state.draft_rows)
+            run.probe = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                (base.rows, state.draft_rows, *prompt_caches),
             )
-            run.probe = (*shapes, *prompt_caches)
             del state, base
         run.decode_s += decode_s
         target_role, draft_role = roles
@@ -496,9 +496,8 @@ def measure_call_costs(
     relative to one 1-token target call, timed on the last batch's shapes (best of `repeats`)."""
     if run.probe is None:
         return None
-    target_shapes, draft_shapes, t_prompt, d_prompt = run.probe
-    target_rows, draft_rows = jax.tree.map(
-        lambda x: jnp.zeros(x.shape, x.dtype), (target_shapes, draft_shapes)
+    target_rows, draft_rows, t_prompt, d_prompt = jax.tree.map(
+        lambda x: jnp.zeros(x.shape, x.dtype), run.probe
     )
     B = target_rows.length.shape[0]
 
