@@ -1,4 +1,4 @@
-"""Prompt validation, tokenisation (with the chat template) and the static shape ladder."""
+"""Prompt and argument validation, tokenisation (with the chat template) and left padding."""
 
 from __future__ import annotations
 

@@ -15,8 +15,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxsr.models.config import DecoderConfig
-
 Layers = tuple[jax.Array, ...]
 
 
@@ -36,15 +34,6 @@ class PromptCache:
     def num_prompts(self) -> int:
         return self.mask.shape[0]
 
-    def take(self, index: jax.Array) -> PromptCache:
-        """The cache of the prompts at `index` (used to bring one prompt's KV to a search job)."""
-        return PromptCache(
-            k=tuple(k[index] for k in self.k),
-            v=tuple(v[index] for v in self.v),
-            mask=self.mask[index],
-            length=self.length[index],
-        )
-
 
 @struct.dataclass
 class RowCache:
@@ -58,18 +47,6 @@ class RowCache:
     k: Layers
     v: Layers
     length: jax.Array
-
-    @classmethod
-    def empty(
-        cls, config: DecoderConfig, rows: int, capacity: int, dtype: jnp.dtype = jnp.float32
-    ) -> RowCache:
-        K, D = config.num_kv_heads, config.head_dim
-        layers = range(config.num_layers)
-        return cls(
-            k=tuple(jnp.zeros((rows, K, D, capacity), dtype) for _ in layers),
-            v=tuple(jnp.zeros((rows, K, capacity, D), dtype) for _ in layers),
-            length=jnp.zeros((rows,), jnp.int32),
-        )
 
     @classmethod
     def empty_like(cls, prompt: PromptCache, rows: int, capacity: int) -> RowCache:
