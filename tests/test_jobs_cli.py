@@ -170,6 +170,18 @@ def test_numeric_spelling_does_not_change_the_job():
     assert one.fingerprint() == load_job_config(None, ["temperature=1.0", "top_p=1.0"]).fingerprint()
 
 
+def test_keys_the_method_does_not_use_are_refused():
+    with pytest.raises(ValueError, match="n: method=generate does not use it"):
+        load_job_config(None, ["method=generate", "n=8"])  # would give 1 sample, not 8
+    with pytest.raises(ValueError, match="draft: method=best_of_n does not use it"):
+        load_job_config(None, ["method=best_of_n", "reward=minilm", "n=4", "draft=smollm2-draft"])
+    with pytest.raises(ValueError, match="rejection_rate: method=contrastive_decode"):
+        load_job_config(None, ["method=contrastive_decode", "draft=x", "rejection_rate=0.3"])
+    config = load_job_config(None, ["method=best_of_n", "n=4", "decoder=contrastive", "draft=x", "beta=1"])
+    assert config.beta == 1.0  # a decoder's options are used
+    assert load_job_config(None, ["method=generate", "gamma=4"]).gamma == 4  # a default is not a setting
+
+
 def test_demo_overrides_make_a_valid_job():
     config = load_job_config(None, DEMO_OVERRIDES)
     assert config.method == "speculative_rejection" and config.reward == "minilm"
@@ -278,14 +290,14 @@ def test_output_of_another_job_is_refused(job, capsys):
         (["max_new_token=4"], "max_new_tokens"),
         pytest.param(["max_new_tokens=0"], "max_new_tokens"),
         pytest.param(["num_samples=0"], "num_samples"),
-        pytest.param(["method=best_of_n", "reward=self_likelihood", "n=0"], "n"),
-        (["method=best_of_n", "n=4"], "reward"),
+        pytest.param(["method=best_of_n", "num_samples=1", "reward=self_likelihood", "n=0"], "n"),
+        (["method=best_of_n", "num_samples=1", "n=4"], "reward"),
         pytest.param(
-            ["method=speculative_rejection", "reward=self_likelihood", "rejection_rate=1.5"],
+            ["method=speculative_rejection", "num_samples=1", "reward=self_likelihood", "rejection_rate=1.5"],
             "rejection_rate",
         ),
         pytest.param(
-            ["method=speculative_rejection", "reward=self_likelihood", "memory_budget=lots"],
+            ["method=speculative_rejection", "num_samples=1", "reward=self_likelihood", "memory_budget=lots"],
             "memory_budget",
         ),
         (["data=/nonexistent/prompts.json"], "data"),
@@ -328,7 +340,14 @@ def check_best(record: dict) -> None:
 @pytest.mark.slow
 def test_best_of_n_job(job):
     path, output = job
-    overrides = ["method=best_of_n", "reward=self_likelihood", "n=4", "limit=2", "max_new_tokens=12"]
+    overrides = [
+        "method=best_of_n",
+        "num_samples=1",
+        "reward=self_likelihood",
+        "n=4",
+        "limit=2",
+        "max_new_tokens=12",
+    ]
     assert cli("run", str(path), *overrides) == 0
     header, records = read_jsonl(output)
     assert header["config"]["method"] == "best_of_n" and header["config"]["n"] == 4
@@ -347,6 +366,7 @@ def test_speculative_rejection_job(job):
     path, output = job
     overrides = [
         "method=speculative_rejection",
+        "num_samples=1",
         "reward=self_likelihood",
         "n=8",
         "rejection_rate=0.5",
@@ -423,6 +443,7 @@ def test_speculative_rejection_over_a_decoder_job(job):
     model = yaml.safe_load(path.read_text())["model"]  # the amateur is the same tiny model here
     overrides = [
         "method=speculative_rejection",
+        "num_samples=1",
         "reward=self_likelihood",
         "decoder=speculative_contrastive",
         f"draft={model}",
@@ -443,7 +464,10 @@ def test_speculative_rejection_over_a_decoder_job(job):
     "overrides, name",
     [
         (["decoder=beam"], "decoder"),
-        (["method=best_of_n", "reward=self_likelihood", "n=2", "decoder=speculative"], "draft"),
+        (
+            ["method=best_of_n", "num_samples=1", "reward=self_likelihood", "n=2", "decoder=speculative"],
+            "draft",
+        ),
     ],
 )
 def test_search_decoder_settings_are_checked(job, capsys, overrides, name):

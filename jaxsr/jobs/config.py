@@ -21,7 +21,31 @@ METHODS = (
     "speculative_contrastive_decode",
 )
 
-DECODERS = ("speculative", "contrastive", "speculative_contrastive")
+# the options of each two-model decoding: a pair method, or the `decoder` a search method runs over
+DECODER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "speculative": ("gamma",),
+    "contrastive": ("alpha", "beta"),
+    "speculative_contrastive": ("gamma", "alpha", "beta"),
+}
+DECODERS = tuple(DECODER_OPTIONS)
+PAIR_METHODS = {f"{kind}_decode": kind for kind in DECODERS}
+"""Two-model decoding methods → their decoding kind."""
+SHARED_KEYS = frozenset(
+    [
+        "method",
+        "model",
+        "data",
+        "limit",
+        "output",
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "dtype",
+        "chat",
+    ]
+)
 
 
 @dataclasses.dataclass
@@ -76,6 +100,27 @@ class JobConfig:
         for name in ("limit", "n"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+        used = self.used_keys()
+        for field in dataclasses.fields(self):
+            if field.name not in used and getattr(self, field.name) != field.default:
+                raise ValueError(
+                    f"{field.name}: method={self.method}"
+                    + (f" with decoder={self.decoder}" if self.decoder else "")
+                    + f" does not use it (it uses {', '.join(sorted(used - SHARED_KEYS))})"
+                )
+
+    def used_keys(self) -> frozenset[str]:
+        """The keys this job's method reads (a key it ignores must keep its default)."""
+        if self.method == "generate":
+            return SHARED_KEYS | {"num_samples"}
+        if self.method in PAIR_METHODS:
+            return SHARED_KEYS | {"num_samples", "draft", *DECODER_OPTIONS[PAIR_METHODS[self.method]]}
+        keys = SHARED_KEYS | {"reward", "n", "memory_budget", "decoder"}
+        if self.method == "speculative_rejection":
+            keys |= {"rejection_rate"}
+        if self.decoder is not None:
+            keys |= {"draft", *DECODER_OPTIONS[self.decoder]}
+        return keys
 
     def fingerprint(self) -> str:
         """Identifies the job's content (everything but where it is written)."""

@@ -13,10 +13,10 @@ from jaxsr.decoding.decoders import (
     speculative_decode,
     speculative_decoder,
 )
-from jaxsr.decoding.generate import generate
+from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, generate
 from jaxsr.decoding.prompts import check_positive_int
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.jobs.config import JobConfig
+from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.loading.api import load_model, load_reward_model
 from jaxsr.models.model import Model
 from jaxsr.rewards import Reward, SelfLikelihood, as_reward
@@ -25,17 +25,16 @@ from jaxsr.search.speculative_rejection import speculative_rejection
 
 Solver = Callable[[list[str], int], list[dict[str, Any]]]
 
-# decoding function of each two-model method and the config keys it takes
-PAIR_METHODS: dict[str, tuple[Callable[..., list], tuple[str, ...]]] = {
-    "speculative_decode": (speculative_decode, ("gamma",)),
-    "contrastive_decode": (contrastive_decode, ("alpha", "beta")),
-    "speculative_contrastive_decode": (speculative_contrastive_decode, ("gamma", "alpha", "beta")),
+# the call of each two-model method, and the builder of each `decoder` the search methods run over
+PAIR_DECODE: dict[str, Callable[..., list]] = {
+    "speculative": speculative_decode,
+    "contrastive": contrastive_decode,
+    "speculative_contrastive": speculative_contrastive_decode,
 }
-# decoder builder of each `decoder` choice for the search methods, and the config keys it takes
-SEARCH_DECODERS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
-    "speculative": (speculative_decoder, ("gamma",)),
-    "contrastive": (contrastive_decoder, ("alpha", "beta")),
-    "speculative_contrastive": (speculative_contrastive_decoder, ("gamma", "alpha", "beta")),
+DECODER_BUILDERS: dict[str, Callable[..., Any]] = {
+    "speculative": speculative_decoder,
+    "contrastive": contrastive_decoder,
+    "speculative_contrastive": speculative_contrastive_decoder,
 }
 
 
@@ -77,25 +76,24 @@ def build_solver(config: JobConfig) -> tuple[Solver, int]:
         run: Callable[..., list] = lambda prompts, **kw: generate(
             model, prompts, num_samples=config.num_samples, **kw
         )
-        per_call = max(1, 64 // check_positive_int("num_samples", config.num_samples))
     elif config.method in PAIR_METHODS:
         if config.draft is None:
             raise ValueError(f"draft: {config.method} needs a second model (the draft or amateur)")
         second = resolve_model(config.draft, config.dtype)
-        decode, options = PAIR_METHODS[config.method]
-        extra = {name: getattr(config, name) for name in options}
+        kind = PAIR_METHODS[config.method]
+        decode, extra = PAIR_DECODE[kind], {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
         run = lambda prompts, **kw: decode(
             model, second, prompts, num_samples=config.num_samples, **extra, **kw
         )
-        per_call = max(1, 64 // check_positive_int("num_samples", config.num_samples))
     else:
         reward = resolve_reward(config.reward, config.dtype)
         if config.decoder is not None:
             if config.draft is None:
                 raise ValueError(f"draft: decoder={config.decoder} needs a second model (draft/amateur)")
-            build, options = SEARCH_DECODERS[config.decoder]
-            extra = {name: getattr(config, name) for name in options}
-            model = build(model, resolve_model(config.draft, config.dtype), **extra)
+            extra = {name: getattr(config, name) for name in DECODER_OPTIONS[config.decoder]}
+            model = DECODER_BUILDERS[config.decoder](
+                model, resolve_model(config.draft, config.dtype), **extra
+            )
         if config.method == "best_of_n":
             if config.n is None:
                 raise ValueError("n: best_of_n needs n")
@@ -112,9 +110,11 @@ def build_solver(config: JobConfig) -> tuple[Solver, int]:
                 memory_budget=config.memory_budget,
                 **kw,
             )
-        per_call = 1
 
     def solve(prompts: list[str], first: int) -> list[dict[str, Any]]:
         return [r.to_dict() for r in run(prompts, prompt_offset=first, **common)]
 
-    return solve, per_call
+    if config.method in ("best_of_n", "speculative_rejection"):
+        return solve, 1  # one prompt per call: a search fills the device with one prompt's rows
+    # a call decodes as many prompts as fit one batch of DEFAULT_MAX_ROWS rows
+    return solve, max(1, DEFAULT_MAX_ROWS // check_positive_int("num_samples", config.num_samples))
