@@ -76,16 +76,11 @@ def contrastive_scores(expert_logits: jax.Array, amateur_logits: jax.Array, cont
 
 @dataclasses.dataclass(frozen=True)
 class ContrastiveDecoding(Method):
-    """One token per step. With `use_amateur=False` it is plain sampling from the target alone (the
-    same random streams as `jaxsr.generate`): the baseline speculative decoding is timed against."""
-
-    use_amateur: bool = True
+    """One token per step: the expert and the amateur step together."""
 
     def target_scores(
         self, contrast: Contrast, target_logits: jax.Array, draft_logits: jax.Array
     ) -> jax.Array:
-        if not self.use_amateur:
-            return target_logits.astype(jnp.float32)
         return contrastive_scores(target_logits, draft_logits, contrast)
 
     def step(
@@ -104,18 +99,13 @@ class ContrastiveDecoding(Method):
             graphs[0], params[0], last[:, None], index[:, None], prompts[0], base.rows
         )
         z_e = z_e[:, 0]
-        draft_rows, draft_steps = state.draft_rows, state.draft_steps
-        if self.use_amateur:
-            z_a, draft_rows = pair.forward(
-                graphs[1], params[1], last[:, None], index[:, None], prompts[1], draft_rows
-            )
-            z_a, draft_steps = z_a[:, 0], draft_steps + 1
-        else:
-            z_a = z_e
-        scores = self.target_scores(contrast, z_e, z_a)
+        z_a, draft_rows = pair.forward(
+            graphs[1], params[1], last[:, None], index[:, None], prompts[1], state.draft_rows
+        )
+        scores = self.target_scores(contrast, z_e, z_a[:, 0])
         tokens, _ = _choose(
             scores, (base.seed, base.prompt_id, base.sample_id, base.num_generated), self.sampling
         )
         base = _record(base.replace(rows=target_rows), tokens, pair.token_logprob(z_e, tokens), active)
         state = pair.with_lengths(state, base.replace(steps=base.steps + 1), draft_rows)
-        return state.replace(draft_steps=draft_steps, target_calls=state.target_calls + active)
+        return state.replace(draft_steps=state.draft_steps + 1, target_calls=state.target_calls + active)

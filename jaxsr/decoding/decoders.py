@@ -297,10 +297,14 @@ def decode_with(
             predicted = pair.expected_speedup(st["acceptance_rate"], gamma, cost, verify, baseline_cost)
             st["expected_speedup"] = pair.finite_or_none(predicted)
     if baseline:
-        reference = ContrastiveDecoding(sampling, use_amateur=contrastive)
-        base_s = pair.decode_pairs(
-            reference, weights, target, second, encoded, roles=decoder.roles, **options
-        ).decode_s
+        if contrastive:  # SCD against contrastive decoding
+            reference = ContrastiveDecoding(sampling)
+            base_s = pair.decode_pairs(
+                reference, weights, target, second, encoded, roles=decoder.roles, **options
+            ).decode_s
+        else:  # SD against sampling the target alone
+            _, plain = sample_many(target, encoded, sampling=sampling, **options)
+            base_s = sum(st["decode_s"] for st in plain)
         for st in stats:
             st.update(
                 baseline_decode_s=base_s / len(encoded),
