@@ -22,10 +22,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsr.decoding import pair
-from jaxsr.decoding.pair import Contrast, Method, SpeculativeState
+from jaxsr.decoding.pair import Contrast, Method, SpeculativeState, contrastive_scores
 from jaxsr.decoding.sampler import _choose, _record
 from jaxsr.models.cache import PromptCache
-from jaxsr.models.layers import MASKED
 
 ContrastKind = Literal["obrien", "li"]
 
@@ -65,23 +64,9 @@ def make_contrast(
     )
 
 
-def contrastive_scores(expert_logits: jax.Array, amateur_logits: jax.Array, contrast: Contrast) -> jax.Array:
-    """float32 contrastive scores [..., V]; implausible tokens get a large negative value."""
-    lp_e = jax.nn.log_softmax(expert_logits.astype(jnp.float32), axis=-1)
-    lp_a = jax.nn.log_softmax(amateur_logits.astype(jnp.float32), axis=-1)
-    plausible = lp_e >= lp_e.max(axis=-1, keepdims=True) + contrast.log_alpha
-    scores = contrast.expert_weight * lp_e - contrast.amateur_weight * lp_a
-    return jnp.where(plausible, scores, MASKED)
-
-
 @dataclasses.dataclass(frozen=True)
 class ContrastiveDecoding(Method):
     """One token per step: the expert and the amateur step together."""
-
-    def target_scores(
-        self, contrast: Contrast, target_logits: jax.Array, draft_logits: jax.Array
-    ) -> jax.Array:
-        return contrastive_scores(target_logits, draft_logits, contrast)
 
     def step(
         self,
@@ -102,7 +87,7 @@ class ContrastiveDecoding(Method):
         z_a, draft_rows = pair.forward(
             graphs[1], params[1], last[:, None], index[:, None], prompts[1], state.draft_rows
         )
-        scores = self.target_scores(contrast, z_e, z_a[:, 0])
+        scores = contrastive_scores(z_e, z_a[:, 0], contrast)
         tokens, _ = _choose(
             scores, (base.seed, base.prompt_id, base.sample_id, base.num_generated), self.sampling
         )

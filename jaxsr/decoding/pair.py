@@ -47,6 +47,7 @@ from jaxsr.decoding.prompts import check_context, check_language_model, left_pad
 from jaxsr.decoding.sampling import SamplingConfig, process_logits
 from jaxsr.ladder import bucket
 from jaxsr.models.cache import PromptCache, RowCache
+from jaxsr.models.layers import MASKED
 from jaxsr.models.model import Model
 
 Graphs = tuple[nnx.GraphDef, nnx.GraphDef]
@@ -67,9 +68,18 @@ class Contrast:
 
     @classmethod
     def unused(cls) -> Contrast:
-        """Placeholder for methods whose target is the plain target model (speculative decoding)."""
+        """Weights under which `contrastive_scores` is the target's own log-softmax (plain SD)."""
         zero = jnp.zeros((), jnp.float32)
         return cls(expert_weight=zero + 1, amateur_weight=zero, log_alpha=zero - jnp.inf)
+
+
+def contrastive_scores(expert_logits: jax.Array, amateur_logits: jax.Array, contrast: Contrast) -> jax.Array:
+    """float32 contrastive scores [..., V]; implausible tokens get a large negative value."""
+    lp_e = jax.nn.log_softmax(expert_logits.astype(jnp.float32), axis=-1)
+    lp_a = jax.nn.log_softmax(amateur_logits.astype(jnp.float32), axis=-1)
+    plausible = lp_e >= lp_e.max(axis=-1, keepdims=True) + contrast.log_alpha
+    scores = contrast.expert_weight * lp_e - contrast.amateur_weight * lp_a
+    return jnp.where(plausible, scores, MASKED)
 
 
 @struct.dataclass
@@ -103,12 +113,6 @@ class Method:
     def target_positions(self) -> int:
         """Token positions per row in one target call."""
         return 1
-
-    def target_scores(
-        self, contrast: Contrast, target_logits: jax.Array, draft_logits: jax.Array
-    ) -> jax.Array:
-        """Unprocessed float32 scores of the distribution to reproduce (temperature etc. come after)."""
-        return target_logits.astype(jnp.float32)
 
     def step(
         self,
@@ -204,7 +208,7 @@ def init_state(
 ) -> SpeculativeState:
     """Rows for `samples_per_prompt` samples of each prompt, their first token drawn from the
     target distribution at the prompts' last positions (`*_logits`: [P, V] from the prefills)."""
-    scores = method.target_scores(contrast, target_logits, draft_logits)
+    scores = contrastive_scores(target_logits, draft_logits, contrast)
     base = sampler.init_state(
         scores,
         prompts[0],

@@ -35,10 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsr.decoding import pair
-from jaxsr.decoding.contrastive import (
-    contrastive_scores,
-)
-from jaxsr.decoding.pair import Contrast, Method, SpeculativeState, probabilities
+from jaxsr.decoding.pair import Contrast, Method, SpeculativeState, contrastive_scores, probabilities
 from jaxsr.decoding.sampler import _record, row_keys
 from jaxsr.decoding.sampling import draw_from
 from jaxsr.models.cache import PromptCache
@@ -96,11 +93,6 @@ class SpeculativeDecoding(Method):
     def target_positions(self) -> int:
         return self.gamma + 1
 
-    def target_scores(
-        self, contrast: Contrast, target_logits: jax.Array, draft_logits: jax.Array
-    ) -> jax.Array:
-        return contrastive_scores(target_logits, draft_logits, contrast)
-
     def step(
         self,
         graphs: pair.Graphs,
@@ -133,7 +125,7 @@ class SpeculativeDecoding(Method):
         fed = jnp.concatenate([last[:, None], drafts], axis=1)
         fed_index = index[:, None] + jnp.arange(g + 1)
         z_e, target_rows = pair.forward(graphs[0], params[0], fed, fed_index, prompts[0], base.rows)
-        head = self.target_scores(contrast, z_e[:, :g], z_a.transpose(1, 0, 2))
+        head = contrastive_scores(z_e[:, :g], z_a.transpose(1, 0, 2), contrast)
         p = probabilities(head, sampling)
         u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(test_keys)
         a = accepted_count(p, q, drafts, u)
@@ -149,7 +141,7 @@ class SpeculativeDecoding(Method):
             return rows, jnp.zeros_like(z_e[:, g])
 
         draft_rows, z_a_bonus = jax.lax.cond(kept_all.any(), extra_draft_call, no_call, draft_rows)
-        p_bonus = probabilities(self.target_scores(contrast, z_e[:, g], z_a_bonus), sampling)
+        p_bonus = probabilities(contrastive_scores(z_e[:, g], z_a_bonus, contrast), sampling)
         token = jax.vmap(draw_from)(final_keys, next_distribution(p, q, p_bonus, a))
 
         padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
