@@ -1,6 +1,7 @@
 """jaxsr: inference-time alignment decoding in JAX (Best-of-N, Speculative Rejection, speculative and
 contrastive decoding)."""
 
+from jaxsr import sharding
 from jaxsr.decoding.decoders import (
     PairDecoder,
     contrastive_decode,
@@ -36,6 +37,7 @@ __all__ = [
     "load_model",
     "load_reward_model",
     "save_model",
+    "sharding",
     "speculative_contrastive_decode",
     "speculative_contrastive_decoder",
     "speculative_decode",

@@ -3,15 +3,24 @@
 Parameters are described by logical axis names (`embed`, `heads`, `mlp`, `vocab`, ...); `RULES` maps
 each onto a mesh axis. The candidate batch is split over `data`, heads and MLP columns over `model`. A
 dimension that the mesh axis does not divide stays replicated, so any mesh shape loads any model.
+
+Decoding runs under `on_mesh(model)`: inside it, the jitted decode functions pin every per-row array
+of their state (tokens, flags, KV caches) to `data` with `constrain`, so each device decodes its own
+rows and only the parameters' `model` splits communicate. Without a mesh `constrain` does nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+T = TypeVar("T")
 
 RULES: dict[str, str | None] = {
     "vocab": "model",
@@ -56,11 +65,13 @@ def make_mesh(data: int = -1, model: int = 1, devices: Sequence[jax.Device] | No
     return Mesh(np.array(devices[: data * model]).reshape(data, model), ("data", "model"))
 
 
-def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+def logical_to_spec(
+    axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh | AbstractMesh
+) -> PartitionSpec:
     spec = []
     for name, size in zip(axes, shape, strict=True):
         mesh_axis = RULES.get(name) if name else None
-        if mesh_axis is not None and (mesh.shape[mesh_axis] == 1 or size % mesh.shape[mesh_axis]):
+        if mesh_axis is not None and (mesh.shape.get(mesh_axis, 1) == 1 or size % mesh.shape[mesh_axis]):
             mesh_axis = None
         spec.append(mesh_axis)
     return PartitionSpec(*spec)
@@ -78,3 +89,49 @@ def param_sharding(path: Sequence[str], shape: Sequence[int], mesh: Mesh) -> Nam
 def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
     """Split the leading (row) axis over `data` when it divides, replicate otherwise."""
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (len(shape) - 1), shape, mesh))
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Inside a jitted function traced under `on_mesh`: pin `x` to the logical `axes`. Else `x`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
+
+
+def constrain_rows(tree: T) -> T:
+    """Split the leading (row) axis of every array in `tree` over `data` (scalars stay replicated)."""
+    return jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)) if x.ndim else x, tree)
+
+
+def mesh_of(*models: Any) -> Mesh | None:
+    """The one mesh the given models (or decoders holding models) are placed on, or None."""
+    meshes = {m.mesh for m in models if getattr(m, "mesh", None) is not None}
+    if len(meshes) > 1:
+        raise ValueError("mesh: the models are placed on different meshes; load them with the same mesh")
+    return meshes.pop() if meshes else None
+
+
+@contextlib.contextmanager
+def on_mesh(*models: Any) -> Iterator[Mesh | None]:
+    """Trace and run decoding on the models' mesh (a no-op for models on one device)."""
+    mesh = mesh_of(*models)
+    if mesh is None:
+        yield None
+        return
+    with jax.set_mesh(mesh):
+        yield mesh
+
+
+def shard_model(model: T, mesh: Mesh) -> T:
+    """A copy of a loaded `Model`/`RewardModel` with its parameters placed on `mesh` by `RULES` (e.g. a
+    model built in memory with `Model.from_module`; `load_model(..., mesh=)` places while loading)."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+
+    def place(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
+        # the parameter's path in the module: dict keys and list indices (not the `.value` attribute)
+        names = [str(getattr(p, "key", getattr(p, "idx", ""))) for p in path if not hasattr(p, "name")]
+        return jax.device_put(x, param_sharding(names, x.shape, mesh))
+
+    return dataclasses.replace(model, params=jax.tree.map_with_path(place, model.params), mesh=mesh)

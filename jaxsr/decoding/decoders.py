@@ -110,11 +110,12 @@ def speculative_contrastive_decoder(
 class Engine(abc.ABC):
     """The operations a search procedure runs on a decoder (all jitted underneath).
 
-    `model` is the model whose tokenizer, EOS ids and log-probabilities the samples carry; `headroom`
-    the row-cache slots a step may write past a row's budget; `slot_bytes` the bytes one token
-    position takes in all of the decoder's caches."""
+    `model` is the model whose tokenizer, EOS ids and log-probabilities the samples carry; `models`
+    every model it runs (for `sharding.on_mesh`); `headroom` the row-cache slots a step may write past
+    a row's budget; `slot_bytes` the bytes one token position takes in all of the decoder's caches."""
 
     model: Model
+    models: tuple[Model, ...]
     roles: tuple[str, ...]
     headroom: int
     slot_bytes: int
@@ -154,7 +155,7 @@ class Engine(abc.ABC):
 
 class PlainEngine(Engine):
     def __init__(self, model: Model, sampling: SamplingConfig):
-        self.model, self.sampling = model, sampling
+        self.model, self.models, self.sampling = model, (model,), sampling
         self.roles, self.headroom, self.slot_bytes = ("generator",), 0, model.kv_slot_bytes
 
     def sample(self, encoded, **options):
@@ -185,7 +186,7 @@ class PlainEngine(Engine):
 
 class PairEngine(Engine):
     def __init__(self, decoder: PairDecoder, sampling: SamplingConfig):
-        self.decoder, self.model = decoder, decoder.target
+        self.decoder, self.model, self.models = decoder, decoder.target, (decoder.target, decoder.second)
         self.method = decoder.method(sampling)
         self.roles, self.headroom = decoder.roles, self.method.headroom
         self.slot_bytes = decoder.target.kv_slot_bytes + decoder.second.kv_slot_bytes

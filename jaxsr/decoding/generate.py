@@ -23,6 +23,7 @@ from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Result, Sample
+from jaxsr.sharding import on_mesh
 
 DEFAULT_MAX_ROWS = 64
 
@@ -173,55 +174,58 @@ def sample_many(
     capacity = bucket(max_new_tokens)
     samples: list[list[RawSample]] = [[] for _ in prompts]
     stats: list[dict[str, Any]] = [{} for _ in prompts]
-    for start, P, G in batches(prompts, num_samples, max_rows):
-        chunk = prompts[start : start + P]
-        S = bucket(max(len(p) for p in chunk))
-        t0 = time.perf_counter()
-        tokens, mask = left_pad(chunk, P, S)
-        last_logits, prompt_cache = prefill(model.graph, model.params, jnp.asarray(tokens), jnp.asarray(mask))
-        jax.block_until_ready(last_logits)
-        prefill_s = time.perf_counter() - t0
-        forwards = P * S
-        compile_s = decode_s = 0.0
-        for first in range(0, num_samples, G):
-            rows = row_inputs(
-                model, prompts=P, real_prompts=len(chunk), samples_per_prompt=G, first_sample=first,
-                num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed,
-                first_prompt_id=prompt_offset + start, stop_token_ids=stop_token_ids,
-            )  # fmt: skip
-            state = init_state(last_logits, prompt_cache, capacity=capacity, sampling=sampling, **rows)
-            t1 = time.perf_counter()
-            loop = decode_loop.lower(
-                model.graph, model.params, state, prompt_cache, sampling=sampling
-            ).compile()
-            t2 = time.perf_counter()
-            state = loop(model.params, state, prompt_cache)
-            out = jax.device_get(
-                (
-                    state.tokens,
-                    state.num_generated,
-                    state.finished,
-                    state.alive,
-                    state.logprob_sum,
-                    state.steps,
-                )
+    with on_mesh(model):
+        for start, P, G in batches(prompts, num_samples, max_rows):
+            chunk = prompts[start : start + P]
+            S = bucket(max(len(p) for p in chunk))
+            t0 = time.perf_counter()
+            tokens, mask = left_pad(chunk, P, S)
+            last_logits, prompt_cache = prefill(
+                model.graph, model.params, jnp.asarray(tokens), jnp.asarray(mask)
             )
-            compile_s += t2 - t1
-            decode_s += time.perf_counter() - t2
-            forwards += int(out[-1]) * P * G
-            for _, raw in raw_samples(
-                *out[:-1], samples_per_prompt=G, first_prompt=start, first_sample=first
-            ):
-                samples[raw.prompt_index].append(raw)
-        for p in range(len(chunk)):
-            stats[start + p] = {
-                "prefill_s": prefill_s / len(chunk),
-                "compile_s": compile_s / len(chunk),
-                "decode_s": decode_s / len(chunk),
-                "token_forwards": {"generator": forwards // len(chunk)},
-                "batch_rows": P * G,
-                "kv_slots": P * S + P * G * capacity,
-            }
+            jax.block_until_ready(last_logits)
+            prefill_s = time.perf_counter() - t0
+            forwards = P * S
+            compile_s = decode_s = 0.0
+            for first in range(0, num_samples, G):
+                rows = row_inputs(
+                    model, prompts=P, real_prompts=len(chunk), samples_per_prompt=G, first_sample=first,
+                    num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed,
+                    first_prompt_id=prompt_offset + start, stop_token_ids=stop_token_ids,
+                )  # fmt: skip
+                state = init_state(last_logits, prompt_cache, capacity=capacity, sampling=sampling, **rows)
+                t1 = time.perf_counter()
+                loop = decode_loop.lower(
+                    model.graph, model.params, state, prompt_cache, sampling=sampling
+                ).compile()
+                t2 = time.perf_counter()
+                state = loop(model.params, state, prompt_cache)
+                out = jax.device_get(
+                    (
+                        state.tokens,
+                        state.num_generated,
+                        state.finished,
+                        state.alive,
+                        state.logprob_sum,
+                        state.steps,
+                    )
+                )
+                compile_s += t2 - t1
+                decode_s += time.perf_counter() - t2
+                forwards += int(out[-1]) * P * G
+                for _, raw in raw_samples(
+                    *out[:-1], samples_per_prompt=G, first_prompt=start, first_sample=first
+                ):
+                    samples[raw.prompt_index].append(raw)
+            for p in range(len(chunk)):
+                stats[start + p] = {
+                    "prefill_s": prefill_s / len(chunk),
+                    "compile_s": compile_s / len(chunk),
+                    "decode_s": decode_s / len(chunk),
+                    "token_forwards": {"generator": forwards // len(chunk)},
+                    "batch_rows": P * G,
+                    "kv_slots": P * S + P * G * capacity,
+                }
     for rows in samples:
         rows.sort(key=lambda r: r.sample_index)
     return samples, stats

@@ -49,6 +49,7 @@ from jaxsr.ladder import bucket
 from jaxsr.models.cache import PromptCache, RowCache
 from jaxsr.models.layers import MASKED
 from jaxsr.models.model import Model
+from jaxsr.sharding import constrain_rows, on_mesh
 
 Graphs = tuple[nnx.GraphDef, nnx.GraphDef]
 """(target graph, draft/amateur graph): static."""
@@ -188,6 +189,12 @@ def token_logprob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 # -- jitted entry points -----------------------------------------------------------------------------
 
 
+def pin(state: SpeculativeState) -> SpeculativeState:
+    """Under a mesh, keep every row and both of its caches on its `data` shard."""
+    per_row = constrain_rows(state.replace(base=None, draft_rows=None))
+    return per_row.replace(base=sampler.pin(state.base), draft_rows=state.draft_rows.constrained())
+
+
 @partial(jax.jit, static_argnames=("method", "samples_per_prompt", "capacity", "cache_capacity"))
 def init_state(
     target_logits: jax.Array,
@@ -229,13 +236,15 @@ def init_state(
     B = base.tokens.shape[0]
     draft_rows = RowCache.empty_like(prompts[1], B, cache_capacity)
     zeros = jnp.zeros((B,), jnp.int32)
-    return SpeculativeState(
-        base=base,
-        draft_rows=draft_rows,
-        draft_steps=jnp.zeros((), jnp.int32),
-        target_calls=zeros,
-        accepted=zeros,
-        tested=zeros,
+    return pin(
+        SpeculativeState(
+            base=base,
+            draft_rows=draft_rows,
+            draft_steps=jnp.zeros((), jnp.int32),
+            target_calls=zeros,
+            accepted=zeros,
+            tested=zeros,
+        )
     )
 
 
@@ -260,7 +269,7 @@ def decode_loop(
         return (~s.base.done & (s.base.num_generated < limit)).any()
 
     def body(s: SpeculativeState) -> SpeculativeState:
-        return method.step(graphs, params, s, prompts, contrast, limit)
+        return pin(method.step(graphs, params, s, prompts, contrast, limit))
 
     return jax.lax.while_loop(running, body, state)
 
@@ -274,12 +283,14 @@ def compact(
 
     Rows attend to the prompt cache of their group (row b to prompt b // G), so the gather must keep
     each row in its prompt's group — trivially so with one prompt, as Speculative Rejection runs."""
-    return state.replace(
-        base=sampler.compact(state.base, index, alive, cache_capacity=cache_capacity),
-        draft_rows=state.draft_rows.take(index, cache_capacity),
-        target_calls=state.target_calls[index],
-        accepted=state.accepted[index],
-        tested=state.tested[index],
+    return pin(
+        state.replace(
+            base=sampler.compact(state.base, index, alive, cache_capacity=cache_capacity),
+            draft_rows=state.draft_rows.take(index, cache_capacity),
+            target_calls=state.target_calls[index],
+            accepted=state.accepted[index],
+            tested=state.tested[index],
+        )
     )
 
 
@@ -350,69 +361,70 @@ def decode_pairs(
     graphs = (target.graph, draft.graph)
     params = (target.params, draft.params)
     run = Run([[] for _ in prompts], [[] for _ in prompts], [{} for _ in prompts], 0.0)
-    for start, P, G in batches(prompts, num_samples, max_rows):
-        chunk = prompts[start : start + P]
-        S = bucket(max(len(p) for p in chunk))
-        t0 = time.perf_counter()
-        tokens, mask = map(jnp.asarray, left_pad(chunk, P, S))
-        t_logits, t_prompt = sampler.prefill(target.graph, target.params, tokens, mask)
-        d_logits, d_prompt = sampler.prefill(draft.graph, draft.params, tokens, mask)
-        jax.block_until_ready((t_logits, d_logits))
-        prefill_s = time.perf_counter() - t0
-        prompt_caches = (t_prompt, d_prompt)
-        target_forwards = draft_forwards = P * S
-        compile_s = decode_s = 0.0
-        for first in range(0, num_samples, G):
-            rows = row_inputs(
-                target, prompts=P, real_prompts=len(chunk), samples_per_prompt=G, first_sample=first,
-                num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed,
-                first_prompt_id=prompt_offset + start, stop_token_ids=stop_token_ids,
-            )  # fmt: skip
-            state = init_state(
-                t_logits, d_logits, prompt_caches, contrast, method=method, capacity=capacity,
-                cache_capacity=cache_capacity, **rows,
-            )  # fmt: skip
-            t1 = time.perf_counter()
-            args = (params, state, prompt_caches, contrast)
-            loop = decode_loop.lower(graphs, *args, method=method, pause_at=NO_PAUSE).compile()
-            t2 = time.perf_counter()
-            state = loop(*args, pause_at=NO_PAUSE)
-            base = state.base
-            out = jax.device_get(
-                (base.tokens, base.num_generated, base.finished, base.alive, base.logprob_sum, base.steps,
-                 state.draft_steps, state.target_calls, state.accepted, state.tested)
-            )  # fmt: skip
-            t3 = time.perf_counter()
-            compile_s += t2 - t1
-            decode_s += t3 - t2
-            num, steps, draft_steps, calls, accepted, tested = out[1], *out[5:]
-            target_forwards += int(steps) * P * G * method.target_positions
-            draft_forwards += int(draft_steps) * P * G
-            for row, raw in raw_samples(
-                *out[:5], samples_per_prompt=G, first_prompt=start, first_sample=first
-            ):
-                run.samples[raw.prompt_index].append(raw)
-                counters = RowStats(int(num[row]), int(calls[row]), int(accepted[row]), int(tested[row]))
-                run.rows[raw.prompt_index].append(counters)
-            run.probe = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                (base.rows, state.draft_rows, *prompt_caches),
-            )
-            del state, base
-        run.decode_s += decode_s
-        target_role, draft_role = roles
-        for p in range(len(chunk)):
-            run.stats[start + p] = {
-                "prefill_s": prefill_s / len(chunk),
-                "compile_s": compile_s / len(chunk),
-                "decode_s": decode_s / len(chunk),
-                "token_forwards": {
-                    target_role: target_forwards // len(chunk),
-                    draft_role: draft_forwards // len(chunk),
-                },
-                "batch_rows": P * G,
-                "kv_slots": P * S + P * G * cache_capacity,
-            }
+    with on_mesh(target, draft):
+        for start, P, G in batches(prompts, num_samples, max_rows):
+            chunk = prompts[start : start + P]
+            S = bucket(max(len(p) for p in chunk))
+            t0 = time.perf_counter()
+            tokens, mask = map(jnp.asarray, left_pad(chunk, P, S))
+            t_logits, t_prompt = sampler.prefill(target.graph, target.params, tokens, mask)
+            d_logits, d_prompt = sampler.prefill(draft.graph, draft.params, tokens, mask)
+            jax.block_until_ready((t_logits, d_logits))
+            prefill_s = time.perf_counter() - t0
+            prompt_caches = (t_prompt, d_prompt)
+            target_forwards = draft_forwards = P * S
+            compile_s = decode_s = 0.0
+            for first in range(0, num_samples, G):
+                rows = row_inputs(
+                    target, prompts=P, real_prompts=len(chunk), samples_per_prompt=G, first_sample=first,
+                    num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed,
+                    first_prompt_id=prompt_offset + start, stop_token_ids=stop_token_ids,
+                )  # fmt: skip
+                state = init_state(
+                    t_logits, d_logits, prompt_caches, contrast, method=method, capacity=capacity,
+                    cache_capacity=cache_capacity, **rows,
+                )  # fmt: skip
+                t1 = time.perf_counter()
+                args = (params, state, prompt_caches, contrast)
+                loop = decode_loop.lower(graphs, *args, method=method, pause_at=NO_PAUSE).compile()
+                t2 = time.perf_counter()
+                state = loop(*args, pause_at=NO_PAUSE)
+                base = state.base
+                out = jax.device_get(
+                    (base.tokens, base.num_generated, base.finished, base.alive, base.logprob_sum, base.steps,
+                     state.draft_steps, state.target_calls, state.accepted, state.tested)
+                )  # fmt: skip
+                t3 = time.perf_counter()
+                compile_s += t2 - t1
+                decode_s += t3 - t2
+                num, steps, draft_steps, calls, accepted, tested = out[1], *out[5:]
+                target_forwards += int(steps) * P * G * method.target_positions
+                draft_forwards += int(draft_steps) * P * G
+                for row, raw in raw_samples(
+                    *out[:5], samples_per_prompt=G, first_prompt=start, first_sample=first
+                ):
+                    run.samples[raw.prompt_index].append(raw)
+                    counters = RowStats(int(num[row]), int(calls[row]), int(accepted[row]), int(tested[row]))
+                    run.rows[raw.prompt_index].append(counters)
+                run.probe = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                    (base.rows, state.draft_rows, *prompt_caches),
+                )
+                del state, base
+            run.decode_s += decode_s
+            target_role, draft_role = roles
+            for p in range(len(chunk)):
+                run.stats[start + p] = {
+                    "prefill_s": prefill_s / len(chunk),
+                    "compile_s": compile_s / len(chunk),
+                    "decode_s": decode_s / len(chunk),
+                    "token_forwards": {
+                        target_role: target_forwards // len(chunk),
+                        draft_role: draft_forwards // len(chunk),
+                    },
+                    "batch_rows": P * G,
+                    "kv_slots": P * S + P * G * cache_capacity,
+                }
     for i, rows in enumerate(run.samples):
         order = np.argsort([r.sample_index for r in rows], kind="stable")
         run.samples[i] = [rows[j] for j in order]
@@ -490,7 +502,8 @@ def expected_batch_speedup(
 @partial(jax.jit, static_argnums=0)
 def _probe(graph: nnx.GraphDef, params: nnx.State, tokens: jax.Array, prompt: PromptCache, rows: RowCache):
     index = jnp.zeros(tokens.shape, jnp.int32) + jnp.arange(tokens.shape[1])
-    return forward(graph, params, tokens, index, prompt, rows)[0]
+    tokens, index = constrain_rows((tokens, index))
+    return forward(graph, params, tokens, index, prompt.constrained(), rows.constrained())[0]
 
 
 def measure_call_costs(
@@ -515,12 +528,12 @@ def measure_call_costs(
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    t_step = best(target, t_prompt, target_rows, 1)
-    if t_step <= 0:
-        return None
-    return best(draft, d_prompt, draft_rows, 1) / t_step, best(
-        target, t_prompt, target_rows, gamma + 1
-    ) / t_step
+    with on_mesh(target, draft):
+        t_step = best(target, t_prompt, target_rows, 1)
+        if t_step <= 0:
+            return None
+        draft_step = best(draft, d_prompt, draft_rows, 1)
+        return draft_step / t_step, best(target, t_prompt, target_rows, gamma + 1) / t_step
 
 
 def finite_or_none(x: float | None) -> float | None:

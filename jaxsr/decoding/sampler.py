@@ -24,6 +24,7 @@ from flax import nnx, struct
 
 from jaxsr.decoding.sampling import SamplingConfig, draw
 from jaxsr.models.cache import PromptCache, RowCache
+from jaxsr.sharding import constrain_rows
 
 
 @struct.dataclass
@@ -55,6 +56,11 @@ class DecodeState:
     """[] int32 decode forward passes run on this state."""
 
 
+def pin(state: DecodeState) -> DecodeState:
+    """Under a mesh (`jaxsr.sharding.on_mesh`), keep every row and its cache on its `data` shard."""
+    return constrain_rows(state.replace(rows=None)).replace(rows=state.rows.constrained())
+
+
 @partial(jax.jit, static_argnames=("cache_capacity",))
 def compact(state: DecodeState, index: jax.Array, alive: jax.Array, *, cache_capacity: int) -> DecodeState:
     """Gather rows `index` into a (smaller) batch whose row cache has `cache_capacity` slots.
@@ -73,7 +79,7 @@ def compact(state: DecodeState, index: jax.Array, alive: jax.Array, *, cache_cap
     )
     gathered = {name: getattr(state, name)[index] for name in per_row}
     gathered["done"] = gathered["done"] | ~alive
-    return state.replace(**gathered, alive=alive, rows=state.rows.take(index, cache_capacity))
+    return pin(state.replace(**gathered, alive=alive, rows=state.rows.take(index, cache_capacity)))
 
 
 def row_keys(seed: jax.Array, prompt_id: jax.Array, sample_id: jax.Array, index: jax.Array) -> jax.Array:
@@ -120,7 +126,7 @@ def prefill(graph: nnx.GraphDef, params: nnx.State, tokens: jax.Array, mask: jax
     """Prefill left-padded prompts once: (last-position logits [P, V] float32, PromptCache)."""
     module = nnx.merge(graph, params)
     hidden, cache = module.prefill(tokens, mask)
-    return module.logits(hidden[:, -1]), cache
+    return module.logits(hidden[:, -1]), cache.constrained()
 
 
 @partial(jax.jit, static_argnames=("samples_per_prompt", "capacity", "cache_capacity", "sampling"))
@@ -169,7 +175,7 @@ def init_state(
     tokens, logp = _choose(
         logits, (state.seed, state.prompt_id, state.sample_id, state.num_generated), sampling
     )
-    return _record(state, tokens, logp, alive)
+    return pin(_record(state, tokens, logp, alive))
 
 
 def step(
@@ -199,7 +205,7 @@ def step(
         logits, (state.seed, state.prompt_id, state.sample_id, state.num_generated), sampling
     )
     state = _record(state.replace(rows=rows.replace(length=fed_index + active)), tokens, logp, active)
-    return state.replace(steps=state.steps + 1)
+    return pin(state.replace(steps=state.steps + 1))
 
 
 @partial(jax.jit, static_argnums=0, static_argnames=("sampling",), donate_argnames=("state",))

@@ -15,7 +15,17 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxsr.sharding import constrain, constrain_rows
+
 Layers = tuple[jax.Array, ...]
+KV_AXES = ("batch", "kv_heads", None, None)
+
+
+def _constrained(cache):
+    """Under a mesh: rows (prompts) over `data`, KV heads over `model`."""
+    k = tuple(constrain(x, KV_AXES) for x in cache.k)
+    v = tuple(constrain(x, KV_AXES) for x in cache.v)
+    return constrain_rows(cache.replace(k=(), v=())).replace(k=k, v=v)
 
 
 @struct.dataclass
@@ -33,6 +43,8 @@ class PromptCache:
     @property
     def num_prompts(self) -> int:
         return self.mask.shape[0]
+
+    constrained = _constrained
 
 
 @struct.dataclass
@@ -60,6 +72,8 @@ class RowCache:
     @property
     def capacity(self) -> int:
         return self.k[0].shape[-1]
+
+    constrained = _constrained
 
     def write_layer(
         self, cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array

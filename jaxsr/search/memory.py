@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import jax
+from jax.sharding import Mesh
 
 _UNITS = {
     "": 1,
@@ -30,22 +32,33 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-def device_free_bytes() -> int | None:
-    """Free memory of the first accelerator, or None where the backend does not report it (CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+def device_free_bytes(devices: Sequence[jax.Device]) -> int | None:
+    """Free memory of the fullest of `devices`, or None where the backend does not report it (CPU)."""
+    free = []
+    for device in devices:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return None
+        free.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    return min(free)
 
 
-def budget_slots(memory_budget: int | str | None, slot_bytes: int, fallback_slots: int | None = None) -> int:
+def budget_slots(
+    memory_budget: int | str | None,
+    slot_bytes: int,
+    fallback_slots: int | None = None,
+    mesh: Mesh | None = None,
+) -> int:
     """The budget as token slots of `slot_bytes` each (one position in every cache of the decoder).
-    `None` derives it from free device memory (parameters are already resident, so they are excluded);
-    where the device cannot tell (CPU), `fallback_slots` is used."""
+    `None` derives it from free device memory (parameters are already resident, so they are excluded):
+    one device's, or on a `mesh` the fullest device's times the `data` shards the rows are split over.
+    Where the device cannot tell (CPU), `fallback_slots` is used."""
     if memory_budget is None:
-        free = device_free_bytes()
+        devices = jax.devices()[:1] if mesh is None else list(mesh.local_devices)
+        free = device_free_bytes(devices)
         if free is not None:
-            return int(free * DEVICE_HEADROOM) // slot_bytes
+            shards = 1 if mesh is None else mesh.shape.get("data", 1)
+            return int(free * DEVICE_HEADROOM) * shards // slot_bytes
         if fallback_slots is None:
             raise ValueError(
                 "memory_budget: required on CPU (the device reports no free memory); "

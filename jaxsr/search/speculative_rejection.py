@@ -40,6 +40,7 @@ from jaxsr.rewards import as_reward
 from jaxsr.rewards.base import Reward
 from jaxsr.search.candidates import best, score_rows, token_scorer
 from jaxsr.search.memory import budget_slots
+from jaxsr.sharding import mesh_of, on_mesh
 
 Rule = Literal["keep_fraction", "quantile"]
 SLOT_ALIGN = 8  # row-cache lengths are multiples of this, bounding the compiled shapes
@@ -178,10 +179,12 @@ def speculative_rejection(
     for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
         prompt_slots = bucket(len(ids), min_prompt_bucket)
         fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + engine.headroom)
-        budget = budget_slots(memory_budget, engine.slot_bytes, fallback_slots=fallback)
+        budget = budget_slots(
+            memory_budget, engine.slot_bytes, fallback_slots=fallback, mesh=mesh_of(*engine.models)
+        )
         plan = _Plan(budget, prompt_slots, max_new_tokens, n, rate, min_first_segment, engine.headroom)
-        results.append(
-            _one_prompt(
+        with on_mesh(*engine.models):
+            result = _one_prompt(
                 engine,
                 reward,
                 prompt,
@@ -195,7 +198,7 @@ def speculative_rejection(
                 stop_token_ids,
                 prompt_offset + i,
             )
-        )
+        results.append(result)
     return results
 
 

@@ -1,0 +1,177 @@
+"""Decoding on a mesh of 8 fake CPU devices: rows split over `data`, results independent of the mesh."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+import jaxsr
+from jaxsr.decoding import sampler
+from jaxsr.decoding.generate import row_inputs
+from jaxsr.rewards import SelfLikelihood
+from jaxsr.sharding import make_mesh, on_mesh, shard_model
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13]]
+MESHES = [(8, 1), (4, 2), (2, 4)]
+SAMPLING = jaxsr.SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model(seed=0, eos_token_ids=(3,))
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_model(seed=1, eos_token_ids=(3,))
+
+
+def tokens_of(results):
+    return [[s.token_ids for s in r.samples] for r in results]
+
+
+@pytest.mark.parametrize("data,model", MESHES)
+def test_generate_is_the_same_on_any_mesh(lm, data, model):
+    kwargs = dict(max_new_tokens=12, num_samples=8, sampling=SAMPLING, seed=3)
+    reference = jaxsr.generate(lm, PROMPTS, **kwargs)
+    sharded = jaxsr.generate(shard_model(lm, make_mesh(data=data, model=model)), PROMPTS, **kwargs)
+    assert tokens_of(sharded) == tokens_of(reference)
+    for r, s in zip(reference, sharded, strict=True):
+        assert [x.finished for x in s.samples] == [x.finished for x in r.samples]
+        np.testing.assert_allclose([x.logprob for x in s.samples], [x.logprob for x in r.samples], atol=1e-4)
+
+
+def _decode_on_mesh(lm, prompts: int, samples: int, capacity: int = 32):
+    """init_state + decode_loop on a (4, 2) mesh; returns the prompt cache, final state and the HLO of
+    the compiled decode loop."""
+    sharded = shard_model(lm, make_mesh(data=4, model=2))
+    tokens = jnp.ones((prompts, 8), jnp.int32)
+    with on_mesh(sharded):
+        logits, cache = sampler.prefill(sharded.graph, sharded.params, tokens, jnp.ones_like(tokens))
+        rows = row_inputs(
+            sharded, prompts=prompts, real_prompts=prompts, samples_per_prompt=samples, first_sample=0,
+            num_samples=samples, max_new_tokens=capacity, seed=0, first_prompt_id=0, stop_token_ids=(),
+        )  # fmt: skip
+        state = sampler.init_state(logits, cache, capacity=capacity, sampling=SAMPLING, **rows)
+        hlo = sampler.decode_loop.lower(sharded.graph, sharded.params, state, cache, sampling=SAMPLING)
+        hlo = hlo.compile().as_text()
+        state = sampler.decode_loop(sharded.graph, sharded.params, state, cache, sampling=SAMPLING)
+    return cache, state, hlo
+
+
+def test_rows_and_their_caches_are_split_over_data(lm):
+    cache, state, _ = _decode_on_mesh(lm, prompts=4, samples=2)
+    assert state.tokens.sharding.spec[0] == "data"
+    assert state.done.sharding.spec[0] == "data"
+    assert tuple(state.rows.k[0].sharding.spec)[:2] == ("data", "model")  # rows, KV heads
+    assert tuple(state.rows.v[0].sharding.spec)[:2] == ("data", "model")
+    assert tuple(cache.k[0].sharding.spec)[:2] == ("data", "model")  # 4 prompts over data=4
+    # one prompt shared by all rows: its cache is replicated over data, rows still split
+    one_prompt, state, _ = _decode_on_mesh(lm, prompts=1, samples=8)
+    assert tuple(one_prompt.k[0].sharding.spec)[:2] == (None, "model")
+    assert tuple(state.rows.k[0].sharding.spec)[:2] == ("data", "model")
+
+
+def _gathered_elements(hlo: str) -> list[int]:
+    """Element counts of the results of every all-gather in compiled HLO text."""
+    shapes = re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather", hlo)
+    return [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
+
+
+def test_decode_loop_and_compaction_never_gather_a_cache(lm):
+    _, state, hlo = _decode_on_mesh(lm, prompts=1, samples=8, capacity=64)
+    row_cache_layer = state.rows.k[0].size
+    gathered = _gathered_elements(hlo)
+    assert gathered, "the positive control: the loop gathers its small per-row index arrays"
+    assert max(gathered) < row_cache_layer // 8
+    with jax.set_mesh(state.rows.k[0].sharding.mesh):
+        index, alive = jnp.array([1, 3, 5, 7], jnp.int32), jnp.ones((4,), bool)
+        hlo = sampler.compact.lower(state, index, alive, cache_capacity=64).compile().as_text()
+        compacted = sampler.compact(state, index, alive, cache_capacity=64)
+    assert max(_gathered_elements(hlo), default=0) < row_cache_layer // 8
+    assert tuple(compacted.rows.k[0].sharding.spec)[:2] == ("data", "model")
+    np.testing.assert_array_equal(compacted.tokens, np.asarray(state.tokens)[[1, 3, 5, 7]])
+
+
+def test_best_of_n_and_speculative_rejection_are_the_same_on_a_mesh(lm):
+    sharded = shard_model(lm, make_mesh(data=4, model=2))
+    reward = SelfLikelihood()
+    for search, options in [
+        (jaxsr.best_of_n, dict(n=8)),
+        (
+            jaxsr.speculative_rejection,
+            dict(n=8, rejection_rate=0.5, memory_budget=16 + 8 * 8, min_first_segment=8),
+        ),
+    ]:
+        kwargs = dict(max_new_tokens=24, seed=5, **options)
+        reference = search(lm, reward, PROMPTS[:2], **kwargs)
+        on_mesh_results = search(sharded, reward, PROMPTS[:2], **kwargs)
+        assert tokens_of(on_mesh_results) == tokens_of(reference)
+        assert [r.best.token_ids for r in on_mesh_results] == [r.best.token_ids for r in reference]
+        if search is jaxsr.speculative_rejection:
+            assert len(reference[0].stats["batch_sizes"]) > 1  # it did reject and compact
+            assert [r.stats["batch_sizes"] for r in on_mesh_results] == [
+                r.stats["batch_sizes"] for r in reference
+            ]
+
+
+def test_speculative_contrastive_decoding_is_the_same_on_a_mesh(lm, draft):
+    mesh = make_mesh(data=4, model=2)
+    kwargs = dict(gamma=3, max_new_tokens=12, num_samples=4, sampling=SAMPLING, seed=2)
+    reference = jaxsr.speculative_contrastive_decode(lm, draft, PROMPTS, **kwargs)
+    sharded = jaxsr.speculative_contrastive_decode(
+        shard_model(lm, mesh), shard_model(draft, mesh), PROMPTS, **kwargs
+    )
+    assert tokens_of(sharded) == tokens_of(reference)
+
+
+def test_models_on_different_meshes_are_refused(lm, draft):
+    devices = jax.devices()
+    first = shard_model(lm, make_mesh(data=4, devices=devices[:4]))
+    second = shard_model(draft, make_mesh(data=4, devices=devices[4:]))
+    with pytest.raises(ValueError, match="mesh"):
+        jaxsr.speculative_decode(first, second, PROMPTS, max_new_tokens=4)
+
+
+def test_shard_model_places_parameters_by_the_rules_table(lm):
+    sharded = shard_model(lm, make_mesh(data=4, model=2))
+    block = sharded.params["blocks"][0]
+    assert tuple(block["attn"]["q"][...].sharding.spec) == (None, "model", None)
+    assert tuple(block["mlp"]["down"][...].sharding.spec) == ("model", None)
+    assert sharded.mesh is not None and lm.mesh is None  # a copy; the original stays where it was
+    with pytest.raises(TypeError, match="mesh"):
+        shard_model(lm, "data")
+
+
+class FakeAccelerator:
+    """Reports memory like a GPU/TPU does (CPU devices report none)."""
+
+    def __init__(self, free: int):
+        self.free = free
+
+    def memory_stats(self):
+        return {"bytes_limit": self.free + 100, "bytes_in_use": 100}
+
+
+def test_a_derived_memory_budget_counts_every_data_shard(monkeypatch):
+    from jaxsr.search import memory
+
+    mesh = make_mesh(data=4, model=2)
+    fake = {d: FakeAccelerator(1000 * (i + 1)) for i, d in enumerate(mesh.devices.flat)}
+    monkeypatch.setattr(memory, "device_free_bytes", lambda devices: min(fake[d].free for d in devices))
+    one_device = memory.budget_slots(None, slot_bytes=10)
+    assert one_device == int(1000 * memory.DEVICE_HEADROOM) // 10  # the first device
+    # rows split over 4 data shards: 4× the fullest device's room
+    assert memory.budget_slots(None, slot_bytes=10, mesh=mesh) == 4 * int(1000 * memory.DEVICE_HEADROOM) // 10
+
+
+def test_device_free_bytes_is_none_where_the_backend_reports_nothing():
+    from jaxsr.search.memory import device_free_bytes
+
+    assert device_free_bytes(jax.devices()[:2]) is None  # CPU
+    assert device_free_bytes([FakeAccelerator(500), FakeAccelerator(300)]) == 300
