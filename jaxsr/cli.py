@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+
 from jaxsr.jobs.config import load_job_config
 from jaxsr.jobs.methods import build_solver
 from jaxsr.jobs.runner import run_job
@@ -22,6 +24,15 @@ DEMO_OVERRIDES = [
     "memory_budget=1024",
     "output=out/demo.jsonl",
 ]
+
+
+def join_processes(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Join a multi-process job (`jax.distributed`); the arguments are auto-detected on TPU pods and
+    SLURM/MPI clusters when left out."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only hosts sync through gloo
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+    )
 
 
 def run(config_path: str | None, overrides: list[str], progress: bool = True) -> Path:
@@ -50,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("config")
     run_parser.add_argument("overrides", nargs="*", metavar="key=value")
     run_parser.add_argument("--no-progress", action="store_true")
+    hosts = run_parser.add_argument_group(
+        "several hosts", "each process decodes a block of the prompts; process 0 merges the outputs"
+    )
+    hosts.add_argument("--distributed", action="store_true", help="join with jax.distributed.initialize()")
+    hosts.add_argument("--coordinator", help="host:port of process 0 (implies --distributed)")
+    hosts.add_argument("--num-processes", type=int)
+    hosts.add_argument("--process-id", type=int)
     demo_parser = commands.add_parser("demo", help="run the embedded default job")
     demo_parser.add_argument("overrides", nargs="*", metavar="key=value")
     args, extra = parser.parse_known_args(argv)
@@ -59,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides += extra  # key=value items given after an option
     try:
         if args.command == "run":
+            if args.distributed or args.coordinator:
+                join_processes(args.coordinator, args.num_processes, args.process_id)
             print(run(args.config, args.overrides, progress=not args.no_progress))
         else:
             demo(args.overrides)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import hf_fixtures as H
@@ -92,6 +96,20 @@ def without_stats(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "stats"}
 
 
+def assert_same_up_to_rounding(records: list[dict], expected: list[dict]) -> None:
+    """Same tokens, texts and flags; log-probabilities equal up to float32 summation order (a mesh
+    that splits the model sums its matmuls in another order)."""
+
+    def parts(record: dict) -> tuple[dict, list[float]]:
+        samples = [{k: v for k, v in s.items() if k != "logprob"} for s in record["samples"]]
+        return {**without_stats(record), "samples": samples}, [s["logprob"] for s in record["samples"]]
+
+    for record, reference in zip(records, expected, strict=True):
+        (exact, logprobs), (exact_ref, logprobs_ref) = parts(record), parts(reference)
+        assert exact == exact_ref
+        assert logprobs == pytest.approx(logprobs_ref, rel=1e-5)
+
+
 # -- configuration ---------------------------------------------------------------------------------
 
 
@@ -119,6 +137,9 @@ def test_fingerprint_names_the_content_not_the_output(tmp_path):
     assert base.fingerprint() == load_job_config(None, ["seed=1", "output=b.jsonl"]).fingerprint()
     assert base.fingerprint() != load_job_config(None, ["seed=2", "output=a.jsonl"]).fingerprint()
     assert base.fingerprint() != load_job_config(None, ["seed=1", "max_new_tokens=9"]).fingerprint()
+    # the devices a job runs on do not change its results, so they are not part of its identity
+    elsewhere = load_job_config(None, ["seed=1", "mesh_data=4", "mesh_model=2"])
+    assert base.fingerprint() == elsewhere.fingerprint()
 
 
 @pytest.mark.parametrize(
@@ -246,6 +267,67 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(job):
     assert output.read_text() == resumed
 
 
+def test_a_job_resumes_on_another_mesh_with_the_same_records(job):
+    path, output = job
+    assert cli("run", str(path), "limit=3") == 0
+    uninterrupted = output.read_text()
+    lines = uninterrupted.splitlines(keepends=True)
+    output.write_text(lines[0] + lines[1])  # killed after prompt 0, resumed on 8 devices
+    assert cli("run", str(path), "limit=3", "mesh_data=4", "mesh_model=2") == 0
+    (_, records), (_, expected) = read_jsonl(output), read_jsonl_text(uninterrupted)
+    assert_same_up_to_rounding(records, expected)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_split_a_job_and_process_0_merges_it(job, tmp_path):
+    path, output = job
+    single = tmp_path / "single.jsonl"
+    assert cli("run", str(path), f"output={single}") == 0
+    _, expected = read_jsonl(single)
+    # a part left by an earlier 2-process run that was killed: process 1 must not redo prompt 2
+    header, *lines = single.read_text().splitlines(keepends=True)
+    part_1 = output.with_name("job.part-00001-of-00002.jsonl")
+    part_1.parent.mkdir(parents=True, exist_ok=True)
+    part_1.write_text(header + lines[2])
+    port = free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}  # 4 devices a host
+    command = [sys.executable, "-m", "jaxsr.cli", "run", str(path), "mesh_data=-1", "--no-progress"]
+    hosts = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id"]
+    processes = [
+        subprocess.Popen([*command, *hosts, str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for i in range(2)
+    ]
+    outcomes = [p.communicate(timeout=600) for p in processes]
+    for p, (out, err) in zip(processes, outcomes, strict=True):
+        assert p.returncode == 0, err.decode()[-3000:]
+        assert out.decode().strip().splitlines()[-1] == str(output)  # after gloo's connection log
+    _, records = read_jsonl(output)
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
+    assert_same_up_to_rounding(records, expected)
+    assert not list(output.parent.glob("*.part-*"))  # merged and removed
+
+
+def test_parts_of_a_killed_multi_process_run_are_kept_by_a_single_process_resume(job):
+    path, output = job
+    assert cli("run", str(path), "limit=3") == 0
+    header, *lines = output.read_text().splitlines(keepends=True)
+    output.unlink()
+    output.with_name("job.part-00000-of-00002.jsonl").write_text(header + lines[0])
+    output.with_name("job.part-00001-of-00002.jsonl").write_text(header + lines[1] + lines[2][:20])
+    assert cli("run", str(path), "limit=3") == 0
+    assert output.read_text().startswith(header + lines[0] + lines[1])  # records 0, 1 from the parts
+    _, records = read_jsonl(output)
+    _, expected = read_jsonl_text(header + "".join(lines))
+    assert [without_stats(r) for r in records] == [without_stats(r) for r in expected]  # 2 redone
+    assert not list(output.parent.glob("*.part-*"))
+
+
 def test_a_job_killed_while_writing_its_header_starts_afresh(job):
     path, output = job
     assert cli("run", str(path), "limit=2") == 0
@@ -301,6 +383,9 @@ def test_output_of_another_job_is_refused(job, capsys):
             "memory_budget",
         ),
         (["data=/nonexistent/prompts.json"], "data"),
+        (["mesh_data=0"], "mesh_data"),
+        (["mesh_model=0"], "mesh_model"),
+        (["mesh_model=3"], "mesh_model"),  # 3 does not divide the 8 test devices
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v),
 )

@@ -44,8 +44,13 @@ SHARED_KEYS = frozenset(
         "seed",
         "dtype",
         "chat",
+        "mesh_data",
+        "mesh_model",
     ]
 )
+PLACEMENT_KEYS = ("output", "mesh_data", "mesh_model")
+"""Where a job writes and which devices run it: not part of what it computes (results are the same on
+any mesh), so a job may resume elsewhere."""
 
 
 @dataclasses.dataclass
@@ -81,6 +86,11 @@ class JobConfig:
     seed: int = 0
     dtype: str = "float32"
     chat: bool | None = None
+    mesh_data: int | None = None
+    """Split each batch's rows over this many of the host's devices (-1: all left after `mesh_model`).
+    None with `mesh_model=1`: no mesh, one device."""
+    mesh_model: int = 1
+    """Split attention heads and MLP columns (and the vocabulary) over this many devices."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -97,9 +107,11 @@ class JobConfig:
                 raise ValueError(f"{field.name}: expected {names}, got {value!r}")
         if self.decoder is not None and self.decoder not in DECODERS:
             raise ValueError(f"decoder: expected one of {DECODERS} or None, got {self.decoder!r}")
-        for name in ("limit", "n"):
+        for name in ("limit", "n", "mesh_model"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+        if self.mesh_data is not None and not (self.mesh_data == -1 or self.mesh_data >= 1):
+            raise ValueError(f"mesh_data: expected -1 (all devices) or an int >= 1, got {self.mesh_data}")
         used = self.used_keys()
         for field in dataclasses.fields(self):
             if field.name not in used and getattr(self, field.name) != field.default:
@@ -123,8 +135,8 @@ class JobConfig:
         return keys
 
     def fingerprint(self) -> str:
-        """Identifies the job's content (everything but where it is written)."""
-        content = {k: v for k, v in dataclasses.asdict(self).items() if k != "output"}
+        """Identifies the job's content (everything but where it is written and run)."""
+        content = {k: v for k, v in dataclasses.asdict(self).items() if k not in PLACEMENT_KEYS}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+from jax.sharding import Mesh
+
 from jaxsr.decoding.decoders import (
     contrastive_decode,
     contrastive_decoder,
@@ -22,6 +25,7 @@ from jaxsr.models.model import Model
 from jaxsr.rewards import Reward, SelfLikelihood, as_reward
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.speculative_rejection import speculative_rejection
+from jaxsr.sharding import make_mesh
 
 Solver = Callable[[list[str], int], list[dict[str, Any]]]
 
@@ -38,21 +42,32 @@ DECODER_BUILDERS: dict[str, Callable[..., Any]] = {
 }
 
 
-def resolve_model(name: str, dtype: str) -> Model:
+def job_mesh(config: JobConfig) -> Mesh | None:
+    """The job's mesh over this host's devices (each host of a multi-host job runs its own)."""
+    if config.mesh_data is None and config.mesh_model == 1:
+        return None
+    data = 1 if config.mesh_data is None else config.mesh_data
+    try:
+        return make_mesh(data=data, model=config.mesh_model, devices=jax.local_devices())
+    except ValueError as e:
+        raise ValueError(f"mesh_data / mesh_model: {e}") from None
+
+
+def resolve_model(name: str, dtype: str, mesh: Mesh | None = None) -> Model:
     """`smollm2` names the embedded SmolLM2-135M-Instruct and `smollm2-draft` its shipped draft/amateur;
     anything else goes to `load_model`."""
     if name == "smollm2":
         from jaxsr.loading.gguf import smollm2_path
 
-        return load_model(smollm2_path(), dtype=dtype)
+        return load_model(smollm2_path(), dtype=dtype, mesh=mesh)
     if name == "smollm2-draft":
         from jaxsr.loading.embedded import smollm2_draft_path
 
-        return load_model(smollm2_draft_path(), dtype=dtype)
-    return load_model(name, dtype=dtype)
+        return load_model(smollm2_draft_path(), dtype=dtype, mesh=mesh)
+    return load_model(name, dtype=dtype, mesh=mesh)
 
 
-def resolve_reward(name: str | None, dtype: str) -> Reward:
+def resolve_reward(name: str | None, dtype: str, mesh: Mesh | None = None) -> Reward:
     """`self_likelihood`, `minilm` (the embedded all-MiniLM-L6-v2), or a reward-model checkpoint."""
     if name is None:
         raise ValueError(
@@ -63,13 +78,14 @@ def resolve_reward(name: str | None, dtype: str) -> Reward:
     if name == "minilm":
         from jaxsr.loading.encoder import load_encoder, minilm_path
 
-        return as_reward(load_encoder(minilm_path(), dtype=dtype))
-    return as_reward(load_reward_model(name, dtype=dtype))
+        return as_reward(load_encoder(minilm_path(), dtype=dtype, mesh=mesh))
+    return as_reward(load_reward_model(name, dtype=dtype, mesh=mesh))
 
 
 def build_solver(config: JobConfig) -> tuple[Solver, int]:
     """(solve, prompts per call) for the job's method."""
-    model = resolve_model(config.model, config.dtype)
+    mesh = job_mesh(config)
+    model = resolve_model(config.model, config.dtype, mesh)
     sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat)
     if config.method == "generate":
@@ -79,20 +95,20 @@ def build_solver(config: JobConfig) -> tuple[Solver, int]:
     elif config.method in PAIR_METHODS:
         if config.draft is None:
             raise ValueError(f"draft: {config.method} needs a second model (the draft or amateur)")
-        second = resolve_model(config.draft, config.dtype)
+        second = resolve_model(config.draft, config.dtype, mesh)
         kind = PAIR_METHODS[config.method]
         decode, extra = PAIR_DECODE[kind], {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
         run = lambda prompts, **kw: decode(
             model, second, prompts, num_samples=config.num_samples, **extra, **kw
         )
     else:
-        reward = resolve_reward(config.reward, config.dtype)
+        reward = resolve_reward(config.reward, config.dtype, mesh)
         if config.decoder is not None:
             if config.draft is None:
                 raise ValueError(f"draft: decoder={config.decoder} needs a second model (draft/amateur)")
             extra = {name: getattr(config, name) for name in DECODER_OPTIONS[config.decoder]}
             model = DECODER_BUILDERS[config.decoder](
-                model, resolve_model(config.draft, config.dtype), **extra
+                model, resolve_model(config.draft, config.dtype, mesh), **extra
             )
         if config.method == "best_of_n":
             if config.n is None:

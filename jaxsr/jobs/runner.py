@@ -4,6 +4,11 @@ prompt returns (prompts decoded together in one batch finish together).
 The output starts with a header line naming the job's fingerprint. Re-running the same job resumes:
 prompts whose record is complete are skipped and a torn last line (from a kill) is cut off. An output
 file that belongs to a different job is refused rather than mixed.
+
+Several processes (hosts of a TPU pod or GPU VMs joined by `jax.distributed`) split a job: each decodes
+a contiguous block of the prompts on its own devices into its own part file next to the output, and
+when all are done process 0 merges the parts into the output (in prompt order) and removes them. The
+output's directory must be one that every host sees.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from jaxsr.jobs.config import JobConfig
@@ -63,6 +70,7 @@ class JsonlOutput:
         self.path = Path(path)
         self.fingerprint = config.fingerprint()
         self.done: set[int] = set()
+        self._records: list[str] = []
         self.header = {"jaxsr_job": self.fingerprint, "config": dataclasses.asdict(config)}
         if self.path.exists() and self.path.stat().st_size:
             self._resume()
@@ -86,6 +94,7 @@ class JsonlOutput:
             )
         for line in lines[1:]:
             self.done.add(json.loads(line)["index"])
+        self._records = lines[1:]
         if len(complete) < len(raw):  # a record torn by a kill: drop it, it will be redone
             with self.path.open("r+b") as f:
                 f.truncate(len(complete))
@@ -108,10 +117,28 @@ class JsonlOutput:
         self._append({"index": index, **record})
         self.done.add(index)
 
+    def records(self) -> dict[int, str]:
+        """The complete records already in the file (as read when it was opened), by prompt index."""
+        return {json.loads(line)["index"]: line for line in self._records}
+
+    def replace_with(self, records: dict[int, str]) -> None:
+        """Atomically make the file the header plus `records` in prompt order."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".merging")
+        body = "".join(records[i] + "\n" for i in sorted(records))
+        partial.write_bytes(self._header_line() + body.encode())
+        os.replace(partial, self.path)
+        self.done = set(records)
+
 
 def chunks(indices: list[int], size: int) -> Iterator[list[int]]:
     for start in range(0, len(indices), size):
         yield indices[start : start + size]
+
+
+def part_path(output: Path, process: int, processes: int) -> Path:
+    """Where process `process` of `processes` writes its records of a multi-process job."""
+    return output.with_name(f"{output.stem}.part-{process:05d}-of-{processes:05d}{output.suffix}")
 
 
 def run_job(
@@ -121,11 +148,57 @@ def run_job(
     prompts_per_call: int = 1,
     progress: bool = True,
 ) -> Path:
-    """Drive `solve(prompts, first_index) -> records` over the job's pending prompts."""
+    """Drive `solve(prompts, first_index) -> records` over the job's pending prompts (this process's
+    block of them when several processes run the job)."""
     prompts = read_prompts(config.data, config.limit)
     output = JsonlOutput(config.output, config)
-    pending = [i for i in range(len(prompts)) if i not in output.done]
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(pending), disable=not progress, unit="prompt")
+    process, processes = jax.process_index(), jax.process_count()
+    if processes == 1:
+        _merge_parts(output, config, len(prompts), require_all=False)  # left by a multi-process run
+        _solve_into(output, range(len(prompts)), prompts, solve, prompts_per_call, progress)
+        return output.path
+    block = range(process * len(prompts) // processes, (process + 1) * len(prompts) // processes)
+    part = JsonlOutput(part_path(output.path, process, processes), config)
+    part.done |= output.done  # already merged by an earlier run
+    _solve_into(part, block, prompts, solve, prompts_per_call, progress)
+    multihost_utils.sync_global_devices(f"jaxsr job {output.fingerprint} decoded")
+    if process == 0:
+        _merge_parts(output, config, len(prompts), require_all=True)
+    multihost_utils.sync_global_devices(f"jaxsr job {output.fingerprint} merged")
+    return output.path
+
+
+def _merge_parts(output: JsonlOutput, config: JobConfig, total: int, require_all: bool) -> None:
+    """Fold every part file of the job (of any process count) into the output, each prompt once."""
+    pattern = f"{output.path.stem}.part-*-of-*{output.path.suffix}"
+    parts = sorted(output.path.parent.glob(pattern))
+    if not parts and not require_all:
+        return
+    records = output.records()
+    for path in parts:
+        for index, line in JsonlOutput(path, config).records().items():
+            records.setdefault(index, line)
+    missing = total - len(records)
+    if missing and require_all:
+        raise ValueError(
+            f"output: {missing} of {total} records are in no part file visible from process 0; every "
+            f"host must write {output.path.parent} on a filesystem they share (parts are kept)"
+        )
+    output.replace_with(records)
+    for path in parts:
+        path.unlink()
+
+
+def _solve_into(
+    output: JsonlOutput,
+    indices: range,
+    prompts: list[str],
+    solve: Callable[[list[str], int], list[dict[str, Any]]],
+    prompts_per_call: int,
+    progress: bool,
+) -> None:
+    pending = [i for i in indices if i not in output.done]
+    bar = tqdm(total=len(indices), initial=len(indices) - len(pending), disable=not progress, unit="prompt")
     for chunk in chunks(pending, prompts_per_call):
         # consecutive indices share a call (their random streams are keyed by global index)
         runs: list[list[int]] = []
@@ -140,4 +213,3 @@ def run_job(
                 output.write(i, record)
                 bar.update(1)
     bar.close()
-    return output.path
