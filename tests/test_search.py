@@ -232,3 +232,16 @@ def test_best_of_n_counts_every_prompt_cache_of_a_batch_in_the_budget(lm):
         jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS, n=0, max_new_tokens=4)
     with pytest.raises(ValueError, match="stop_token_ids"):
         jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS, n=2, max_new_tokens=4, stop_token_ids=[10**6])
+
+
+def test_the_first_segment_is_never_shorter_than_asked():
+    """Segments are multiples of 8 slots: a minimum of 12 rounds up to 16 (fewer, longer rows), not
+    down to 8, so the first decision comes after at least 12 tokens."""
+    lm = tiny_model(seed=0)  # no EOS: rows run until the decision
+    budget = 16 + 4 * 12  # prompt bucket + 4 rows of 12 slots
+    r = jaxsr.speculative_rejection(
+        lm, SelfLikelihood(), [[1, 2, 3]], max_new_tokens=40, memory_budget=budget, min_first_segment=12
+    )[0]
+    first = r.stats["round_log"][0]
+    assert first["end_token"] >= 12 and first["batch_size"] == 3
+    assert all(x["kv_bytes"] <= budget * lm.kv_slot_bytes for x in r.stats["round_log"])

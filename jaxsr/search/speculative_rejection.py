@@ -102,6 +102,9 @@ class _Plan:
         self.budget, self.prompt_slots, self.headroom = budget, prompt_slots, headroom
         self.max_slots = bucket(max_new_tokens)
         room = budget - prompt_slots
+        # segments are whole multiples of SLOT_ALIGN (see `capacity`): round the minimum up, never down
+        if min_segment > SLOT_ALIGN:
+            min_segment = min(-(-min_segment // SLOT_ALIGN) * SLOT_ALIGN, max(self.max_slots, SLOT_ALIGN))
         per_row = min_segment + headroom
         if room < per_row:
             raise ValueError(
