@@ -29,7 +29,6 @@ DEMO_OVERRIDES = [
 def join_processes(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
     """Join a multi-process job (`jax.distributed`); the arguments are auto-detected on TPU pods and
     SLURM/MPI clusters when left out."""
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only hosts sync through gloo
     jax.distributed.initialize(
         coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
     )
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         "several hosts", "each process decodes a block of the prompts; process 0 merges the outputs"
     )
     hosts.add_argument("--distributed", action="store_true", help="join with jax.distributed.initialize()")
-    hosts.add_argument("--coordinator", help="host:port of process 0 (implies --distributed)")
+    hosts.add_argument("--coordinator", help="host:port of process 0 (these three imply --distributed)")
     hosts.add_argument("--num-processes", type=int)
     hosts.add_argument("--process-id", type=int)
     demo_parser = commands.add_parser("demo", help="run the embedded default job")
@@ -77,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides += extra  # key=value items given after an option
     try:
         if args.command == "run":
-            if args.distributed or args.coordinator:
+            joined = (args.coordinator, args.num_processes, args.process_id)
+            if args.distributed or any(x is not None for x in joined):
                 join_processes(args.coordinator, args.num_processes, args.process_id)
             print(run(args.config, args.overrides, progress=not args.no_progress))
         else:

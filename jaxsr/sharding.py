@@ -91,6 +91,23 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (len(shape) - 1), shape, mesh))
 
 
+def check_mesh(mesh: Any) -> Mesh | None:
+    """A mesh jaxsr can place models on: a `jax.sharding.Mesh` with a `data` and/or `model` axis, all
+    of automatic type (jaxsr pins shardings with constraints, which explicit axes refuse)."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    if not {"data", "model"} & set(mesh.axis_names):
+        raise ValueError(f"mesh: expected axes named 'data' and/or 'model', got {mesh.axis_names}")
+    if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        raise ValueError(
+            f"mesh: expected automatic axes, got {mesh.axis_types}; build it with "
+            "jaxsr.sharding.make_mesh or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * 2)"
+        )
+    return mesh
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Inside a jitted function traced under `on_mesh`: pin `x` to the logical `axes`. Else `x`."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -106,7 +123,7 @@ def constrain_rows(tree: T) -> T:
 
 def mesh_of(*models: Any) -> Mesh | None:
     """The one mesh the given models (or decoders holding models) are placed on, or None."""
-    meshes = {m.mesh for m in models if getattr(m, "mesh", None) is not None}
+    meshes = {check_mesh(m.mesh) for m in models if getattr(m, "mesh", None) is not None}
     if len(meshes) > 1:
         raise ValueError("mesh: the models are placed on different meshes; load them with the same mesh")
     return meshes.pop() if meshes else None
@@ -126,8 +143,8 @@ def on_mesh(*models: Any) -> Iterator[Mesh | None]:
 def shard_model(model: T, mesh: Mesh) -> T:
     """A copy of a loaded `Model`/`RewardModel` with its parameters placed on `mesh` by `RULES` (e.g. a
     model built in memory with `Model.from_module`; `load_model(..., mesh=)` places while loading)."""
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if check_mesh(mesh) is None:
+        raise TypeError("mesh: expected a jax.sharding.Mesh, got None")
 
     def place(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
         # the parameter's path in the module: dict keys and list indices (not the `.value` attribute)

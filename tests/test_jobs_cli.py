@@ -310,6 +310,7 @@ def test_two_processes_split_a_job_and_process_0_merges_it(job, tmp_path):
     _, records = read_jsonl(output)
     assert [r["index"] for r in records] == [0, 1, 2, 3]
     assert_same_up_to_rounding(records, expected)
+    assert output.read_text().splitlines(keepends=True)[3] == lines[2]  # the old part's record, stats too
     assert not list(output.parent.glob("*.part-*"))  # merged and removed
 
 
@@ -385,7 +386,7 @@ def test_output_of_another_job_is_refused(job, capsys):
         (["data=/nonexistent/prompts.json"], "data"),
         (["mesh_data=0"], "mesh_data"),
         (["mesh_model=0"], "mesh_model"),
-        (["mesh_model=3"], "mesh_model"),  # 3 does not divide the 8 test devices
+        (["mesh_data=-1", "mesh_model=3"], "mesh_model"),  # 3 does not divide the 8 test devices
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v),
 )

