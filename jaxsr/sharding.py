@@ -91,6 +91,13 @@ def batch_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (len(shape) - 1), shape, mesh))
 
 
+def place_rows(mesh: Mesh | None, *arrays: Any) -> tuple[jax.Array, ...]:
+    """Host batches put on `mesh` with their rows split over `data` (as they are without a mesh)."""
+    if mesh is None:
+        return arrays
+    return tuple(jax.device_put(a, batch_sharding(mesh, a.shape)) for a in arrays)
+
+
 def check_mesh(mesh: Any) -> Mesh | None:
     """A mesh jaxsr can place models on: a `jax.sharding.Mesh` with a `data` and/or `model` axis, all
     of automatic type (jaxsr pins shardings with constraints, which explicit axes refuse)."""

@@ -219,3 +219,20 @@ def test_device_free_bytes_is_none_where_the_backend_reports_nothing():
 
     assert device_free_bytes(jax.devices()[:2]) is None  # CPU
     assert device_free_bytes([FakeAccelerator(500), FakeAccelerator(300)]) == 300
+
+
+def test_logits_and_reward_scores_split_their_batch_over_data(lm):
+    from flax import nnx
+    from tiny import tiny_config
+
+    from jaxsr.models.decoder import Decoder
+
+    rm = jaxsr.RewardModel.from_module(Decoder(tiny_config(num_labels=1), rngs=nnx.Rngs(0)))
+    tokens = (np.arange(32).reshape(8, 4) * 7) % 60
+    mesh = make_mesh(data=4, model=2)
+    scores = shard_model(rm, mesh).scores(tokens)
+    np.testing.assert_allclose(scores, rm.scores(tokens), rtol=1e-5, atol=1e-6)
+    assert scores.sharding.spec[0] == "data"
+    logits = shard_model(lm, mesh).logits(tokens)
+    np.testing.assert_allclose(logits, lm.logits(tokens), rtol=1e-5, atol=1e-5)
+    assert logits.sharding.spec[0] == "data"

@@ -25,7 +25,7 @@ from jaxsr.ladder import bucket
 from jaxsr.models.attention import Segment, attend
 from jaxsr.models.layers import ACTIVATIONS, Norm, param
 from jaxsr.models.model import as_token_batch
-from jaxsr.sharding import batch_sharding
+from jaxsr.sharding import place_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,11 +199,6 @@ class EncoderModel:
         """The NNX module (a fresh merge)."""
         return nnx.merge(self.graph, self.params)
 
-    def _place(self, *arrays: jax.Array) -> tuple[jax.Array, ...]:
-        if self.mesh is None:
-            return arrays
-        return tuple(jax.device_put(a, batch_sharding(self.mesh, a.shape)) for a in arrays)
-
     def hidden(self, token_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> jax.Array:
         """Last hidden states [B, T, d] of a right-padded [B, T] batch (pad positions are not meaningful)."""
         tokens, mask = as_token_batch(token_ids, attention_mask)
@@ -220,7 +215,7 @@ class EncoderModel:
             raise ValueError(f"token_type_ids: expected shape {tokens.shape}, got {types.shape}")
         if int(types.max()) >= cfg.type_vocab_size or int(types.min()) < 0:
             raise ValueError(f"token_type_ids: ids must lie in [0, {cfg.type_vocab_size})")
-        return _hidden(self.graph, self.params, *self._place(tokens, mask, types))
+        return _hidden(self.graph, self.params, *place_rows(self.mesh, tokens, mask, types))
 
     def tokenize(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """int32 tokens and 0/1 mask [len(texts), L], right-padded to L = `bucket(longest)`, truncated at
@@ -261,7 +256,9 @@ class EncoderModel:
             pad_rows = ((0, bucket(n, 1, cap=batch_size) - n), (0, 0))
             tokens, mask = np.pad(tokens, pad_rows), np.pad(mask, pad_rows)
             self.token_forwards += tokens.size
-            placed = self._place(jnp.asarray(tokens), jnp.asarray(mask), jnp.zeros(tokens.shape, jnp.int32))
+            placed = place_rows(
+                self.mesh, jnp.asarray(tokens), jnp.asarray(mask), jnp.zeros(tokens.shape, jnp.int32)
+            )
             out.append(np.asarray(_sentence_embeddings(self.graph, self.params, *placed))[:n])
         return np.concatenate(out)
 

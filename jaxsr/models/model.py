@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
+from jaxsr.sharding import place_rows
 
 
 @partial(jax.jit, static_argnums=0)
@@ -104,7 +105,7 @@ class Model:
             raise TypeError("logits: a reward model has no language-model head; use scores()")
         tokens, mask = as_token_batch(token_ids, attention_mask)
         self.check_tokens(tokens)
-        return _logits(self.graph, self.params, tokens, mask)
+        return _logits(self.graph, self.params, *place_rows(self.mesh, tokens, mask))
 
 
 @dataclasses.dataclass
@@ -115,4 +116,4 @@ class RewardModel(Model):
         """[B] float32 reward read at each row's last non-pad token."""
         tokens, mask = as_token_batch(token_ids, attention_mask)
         self.check_tokens(tokens)
-        return _scores(self.graph, self.params, tokens, mask)
+        return _scores(self.graph, self.params, *place_rows(self.mesh, tokens, mask))

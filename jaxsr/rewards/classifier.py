@@ -21,6 +21,7 @@ from jaxsr.decoding.prompts import left_pad
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model, RewardModel
 from jaxsr.rewards.base import Candidates
+from jaxsr.sharding import place_rows
 
 TokenScorer = Callable[[jax.Array, jax.Array], jax.Array]
 """(response ids [B, N], response lengths [B]) → scores [B], on device."""
@@ -80,10 +81,13 @@ class ClassifierReward:
 
     def token_scorer(self, generator: Model, prompt: str, max_new_tokens: int) -> TokenScorer | None:
         """On-device scoring of `generator`'s response ids to `prompt`, or None when the reward model
-        does not read the generator's ids (other vocabulary), has no chat template, or the longest
-        rendered response would exceed its context (the text path then truncates)."""
+        does not read the generator's ids (other vocabulary), has no chat template, lives on other
+        devices than the decode buffer (another mesh), or the longest rendered response would exceed
+        its context (the text path then truncates)."""
         tokenizer = self.model.tokenizer
         if generator.tokenizer is None or generator.tokenizer.get_vocab() != tokenizer.get_vocab():
+            return None
+        if self.model.mesh != generator.mesh:
             return None
         before, found, after = (self.conversation(prompt, _RESPONSE) or "").partition(_RESPONSE)
         if not found:
@@ -101,7 +105,8 @@ class ClassifierReward:
         def score(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
             self.token_forwards += tokens.shape[0] * width
             graph, params = self.model.graph, self.model.params
-            return _score_ids(graph, params, *consts, tokens, lengths.astype(jnp.int32), width)
+            tokens, lengths = place_rows(self.model.mesh, tokens, jnp.asarray(lengths, jnp.int32))
+            return _score_ids(graph, params, *consts, tokens, lengths, width)
 
         return score
 
