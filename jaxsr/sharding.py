@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -134,6 +135,15 @@ def mesh_of(*models: Any) -> Mesh | None:
     if len(meshes) > 1:
         raise ValueError("mesh: the models are placed on different meshes; load them with the same mesh")
     return meshes.pop() if meshes else None
+
+
+def padded_rows(rows: int, mesh: Mesh | None, groups: int = 1) -> int:
+    """`rows` per group rounded up so that `groups` groups of them divide over the `data` shards: a
+    decode batch padded with dead rows to this size splits over the shards instead of being replicated
+    on each (results are unchanged)."""
+    shards = 1 if mesh is None else mesh.shape.get("data", 1)
+    step = shards // math.gcd(shards, groups)
+    return -(-rows // step) * step
 
 
 @contextlib.contextmanager

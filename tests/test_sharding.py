@@ -236,3 +236,23 @@ def test_logits_and_reward_scores_split_their_batch_over_data(lm):
     logits = shard_model(lm, mesh).logits(tokens)
     np.testing.assert_allclose(logits, lm.logits(tokens), rtol=1e-5, atol=1e-5)
     assert logits.sharding.spec[0] == "data"
+
+
+def test_batches_are_padded_with_dead_rows_to_split_over_data(lm):
+    """5 samples of 3 (→ 4) prompts are 20 rows: padded to 6 per prompt, 24 rows over data=8. An SR
+    rung of 10 rows becomes 16. The samples, and SR's choices, are those of the unpadded run."""
+    sharded = shard_model(lm, make_mesh(data=8))
+    kwargs = dict(max_new_tokens=8, num_samples=5, sampling=SAMPLING, seed=1)
+    reference, padded = jaxsr.generate(lm, PROMPTS, **kwargs), jaxsr.generate(sharded, PROMPTS, **kwargs)
+    assert tokens_of(padded) == tokens_of(reference)
+    assert (reference[0].stats["batch_rows"], padded[0].stats["batch_rows"]) == (20, 24)
+
+    kwargs = dict(n=10, rejection_rate=0.5, max_new_tokens=40, memory_budget=16 + 10 * 16, seed=4)
+    reference = jaxsr.speculative_rejection(lm, SelfLikelihood(), PROMPTS[:1], **kwargs)[0]
+    padded = jaxsr.speculative_rejection(sharded, SelfLikelihood(), PROMPTS[:1], **kwargs)[0]
+    assert tokens_of([padded]) == tokens_of([reference]) and padded.best.token_ids == reference.best.token_ids
+    assert padded.stats["batch_sizes"] == reference.stats["batch_sizes"]  # live rows
+    logical = [x["batch_size"] for x in reference.stats["round_log"]]
+    physical = [x["batch_size"] for x in padded.stats["round_log"]]
+    assert logical[0] == 10 and len(logical) > 1
+    assert physical == [-(-b // 8) * 8 for b in logical]

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxsr.decoding.prompts import (
     check_context,
@@ -23,7 +24,7 @@ from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Result, Sample
-from jaxsr.sharding import on_mesh
+from jaxsr.sharding import mesh_of, on_mesh, padded_rows
 
 DEFAULT_MAX_ROWS = 64
 
@@ -89,14 +90,19 @@ def stop_id_matrix(model: Model, rows: int, extra: Sequence[int]) -> np.ndarray:
     return matrix
 
 
-def batches(prompts: list[list[int]], num_samples: int, max_rows: int) -> Iterator[tuple[int, int, int]]:
-    """(first prompt, padded prompt count P, samples per prompt G) of each batch of at most `max_rows`
-    rows: G = min(num_samples, max_rows) samples of P prompts, P a power of two (one compiled shape
-    for every full batch); a prompt with more than G samples gets them in several batches."""
+def batches(
+    prompts: list[list[int]], num_samples: int, max_rows: int, mesh: Mesh | None = None
+) -> Iterator[tuple[int, int, int, int]]:
+    """(first prompt, padded prompt count P, samples per prompt G, rows per prompt R) of each batch of
+    at most `max_rows` rows (plus mesh padding): G = min(num_samples, max_rows) samples of P prompts, P a
+    power of two (one compiled shape for every full batch); a prompt with more than G samples gets them
+    in several batches. R ≥ G pads each prompt's rows with dead ones so the batch splits over the mesh's
+    `data` shards (R = G without a mesh)."""
     G = min(num_samples, max_rows)
     per_batch = 1 << (max(1, max_rows // G).bit_length() - 1)
     for start in range(0, len(prompts), per_batch):
-        yield start, min(bucket(len(prompts[start : start + per_batch]), 1), per_batch), G
+        P = min(bucket(len(prompts[start : start + per_batch]), 1), per_batch)
+        yield start, P, G, padded_rows(G, mesh, groups=P)
 
 
 def row_inputs(
@@ -175,7 +181,7 @@ def sample_many(
     samples: list[list[RawSample]] = [[] for _ in prompts]
     stats: list[dict[str, Any]] = [{} for _ in prompts]
     with on_mesh(model):
-        for start, P, G in batches(prompts, num_samples, max_rows):
+        for start, P, G, R in batches(prompts, num_samples, max_rows, mesh_of(model)):
             chunk = prompts[start : start + P]
             S = bucket(max(len(p) for p in chunk))
             t0 = time.perf_counter()
@@ -189,8 +195,8 @@ def sample_many(
             compile_s = decode_s = 0.0
             for first in range(0, num_samples, G):
                 rows = row_inputs(
-                    model, prompts=P, real_prompts=len(chunk), samples_per_prompt=G, first_sample=first,
-                    num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed,
+                    model, prompts=P, real_prompts=len(chunk), samples_per_prompt=R, first_sample=first,
+                    num_samples=min(num_samples, first + G), max_new_tokens=max_new_tokens, seed=seed,
                     first_prompt_id=prompt_offset + start, stop_token_ids=stop_token_ids,
                 )  # fmt: skip
                 state = init_state(last_logits, prompt_cache, capacity=capacity, sampling=sampling, **rows)
@@ -212,9 +218,9 @@ def sample_many(
                 )
                 compile_s += t2 - t1
                 decode_s += time.perf_counter() - t2
-                forwards += int(out[-1]) * P * G
+                forwards += int(out[-1]) * P * R
                 for _, raw in raw_samples(
-                    *out[:-1], samples_per_prompt=G, first_prompt=start, first_sample=first
+                    *out[:-1], samples_per_prompt=R, first_prompt=start, first_sample=first
                 ):
                     samples[raw.prompt_index].append(raw)
             for p in range(len(chunk)):
@@ -223,8 +229,8 @@ def sample_many(
                     "compile_s": compile_s / len(chunk),
                     "decode_s": decode_s / len(chunk),
                     "token_forwards": {"generator": forwards // len(chunk)},
-                    "batch_rows": P * G,
-                    "kv_slots": P * S + P * G * capacity,
+                    "batch_rows": P * R,
+                    "kv_slots": P * S + P * R * capacity,
                 }
     for rows in samples:
         rows.sort(key=lambda r: r.sample_index)

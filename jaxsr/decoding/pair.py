@@ -49,7 +49,7 @@ from jaxsr.ladder import bucket
 from jaxsr.models.cache import PromptCache, RowCache
 from jaxsr.models.layers import MASKED
 from jaxsr.models.model import Model
-from jaxsr.sharding import constrain_rows, on_mesh
+from jaxsr.sharding import constrain_rows, mesh_of, on_mesh
 
 Graphs = tuple[nnx.GraphDef, nnx.GraphDef]
 """(target graph, draft/amateur graph): static."""
@@ -362,7 +362,7 @@ def decode_pairs(
     params = (target.params, draft.params)
     run = Run([[] for _ in prompts], [[] for _ in prompts], [{} for _ in prompts], 0.0)
     with on_mesh(target, draft):
-        for start, P, G in batches(prompts, num_samples, max_rows):
+        for start, P, G, R in batches(prompts, num_samples, max_rows, mesh_of(target, draft)):
             chunk = prompts[start : start + P]
             S = bucket(max(len(p) for p in chunk))
             t0 = time.perf_counter()
@@ -376,8 +376,8 @@ def decode_pairs(
             compile_s = decode_s = 0.0
             for first in range(0, num_samples, G):
                 rows = row_inputs(
-                    target, prompts=P, real_prompts=len(chunk), samples_per_prompt=G, first_sample=first,
-                    num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed,
+                    target, prompts=P, real_prompts=len(chunk), samples_per_prompt=R, first_sample=first,
+                    num_samples=min(num_samples, first + G), max_new_tokens=max_new_tokens, seed=seed,
                     first_prompt_id=prompt_offset + start, stop_token_ids=stop_token_ids,
                 )  # fmt: skip
                 state = init_state(
@@ -398,10 +398,10 @@ def decode_pairs(
                 compile_s += t2 - t1
                 decode_s += t3 - t2
                 num, steps, draft_steps, calls, accepted, tested = out[1], *out[5:]
-                target_forwards += int(steps) * P * G * method.target_positions
-                draft_forwards += int(draft_steps) * P * G
+                target_forwards += int(steps) * P * R * method.target_positions
+                draft_forwards += int(draft_steps) * P * R
                 for row, raw in raw_samples(
-                    *out[:5], samples_per_prompt=G, first_prompt=start, first_sample=first
+                    *out[:5], samples_per_prompt=R, first_prompt=start, first_sample=first
                 ):
                     run.samples[raw.prompt_index].append(raw)
                     counters = RowStats(int(num[row]), int(calls[row]), int(accepted[row]), int(tested[row]))
@@ -422,8 +422,8 @@ def decode_pairs(
                         target_role: target_forwards // len(chunk),
                         draft_role: draft_forwards // len(chunk),
                     },
-                    "batch_rows": P * G,
-                    "kv_slots": P * S + P * G * cache_capacity,
+                    "batch_rows": P * R,
+                    "kv_slots": P * S + P * R * cache_capacity,
                 }
     for i, rows in enumerate(run.samples):
         order = np.argsort([r.sample_index for r in rows], kind="stable")

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxsr.decoding.decoders import Engine, PairDecoder, as_engine
 from jaxsr.decoding.generate import check_row_ids, check_sampling, check_seed, row_inputs
@@ -40,7 +42,7 @@ from jaxsr.rewards import as_reward
 from jaxsr.rewards.base import Reward
 from jaxsr.search.candidates import best, score_rows, token_scorer
 from jaxsr.search.memory import budget_slots
-from jaxsr.sharding import mesh_of, on_mesh
+from jaxsr.sharding import mesh_of, on_mesh, padded_rows
 
 Rule = Literal["keep_fraction", "quantile"]
 SLOT_ALIGN = 8  # row-cache lengths are multiples of this, bounding the compiled shapes
@@ -182,9 +184,8 @@ def speculative_rejection(
     for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
         prompt_slots = bucket(len(ids), min_prompt_bucket)
         fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + engine.headroom)
-        budget = budget_slots(
-            memory_budget, engine.slot_bytes, fallback_slots=fallback, mesh=mesh_of(*engine.models)
-        )
+        mesh = mesh_of(*engine.models)
+        budget = budget_slots(memory_budget, engine.slot_bytes, fallback_slots=fallback, mesh=mesh)
         plan = _Plan(budget, prompt_slots, max_new_tokens, n, rate, min_first_segment, engine.headroom)
         with on_mesh(*engine.models):
             result = _one_prompt(
@@ -200,6 +201,7 @@ def speculative_rejection(
                 decision_interval,
                 stop_token_ids,
                 prompt_offset + i,
+                mesh,
             )
         results.append(result)
     return results
@@ -218,7 +220,11 @@ def _one_prompt(
     interval: int | None,
     stop_token_ids: Sequence[int],
     prompt_id: int,
+    mesh: Mesh | None,
 ) -> Result:
+    """One prompt's search. On a mesh each rung's batch is padded with dead rows so that it splits
+    over the `data` shards (the plan, and so the result, stays the same)."""
+    padded = partial(padded_rows, mesh=mesh)
     timings = dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
     t_start = time.perf_counter()
     reward_before = reward.token_forwards
@@ -232,7 +238,7 @@ def _one_prompt(
 
     rows = plan.ladder[0]
     first_rows = row_inputs(
-        model, prompts=1, real_prompts=1, samples_per_prompt=rows, first_sample=0, num_samples=rows,
+        model, prompts=1, real_prompts=1, samples_per_prompt=padded(rows), first_sample=0, num_samples=rows,
         max_new_tokens=max_new_tokens, seed=seed, first_prompt_id=prompt_id, stop_token_ids=stop_token_ids,
     )  # fmt: skip
     state = engine.init_state(
@@ -327,8 +333,8 @@ def _one_prompt(
         forced += max(0, len(survivors) - rung)
         survivors = sorted(survivors[:rung])
         t2 = time.perf_counter()
-        index = np.array(survivors + [survivors[0]] * (rung - len(survivors)), np.int32)
-        alive_next = np.arange(rung) < len(survivors)
+        index = np.array(survivors + [survivors[0]] * (padded(rung) - len(survivors)), np.int32)
+        alive_next = np.arange(padded(rung)) < len(survivors)
         state = engine.compact(
             state, jnp.asarray(index), jnp.asarray(alive_next), plan.capacity(rung) + plan.headroom
         )
