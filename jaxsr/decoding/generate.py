@@ -117,13 +117,16 @@ def row_inputs(
     seed: int,
     first_prompt_id: int,
     stop_token_ids: Sequence[int],
+    live_per_prompt: int | None = None,
 ) -> dict[str, Any]:
     """`init_state`'s per-row keywords for samples first_sample … first_sample + G − 1 of `prompts`
-    prompts (rows grouped by prompt; padding prompts and samples past `num_samples` are not alive).
+    prompts (rows grouped by prompt; padding prompts and samples past `num_samples` are not alive, nor
+    a prompt's rows past `live_per_prompt`: mesh padding, see `batches`).
     A row's (seed, prompt id, sample id) is its random stream, whatever the batch it is in."""
     G = samples_per_prompt
+    live = G if live_per_prompt is None else live_per_prompt
     sample_ids = np.tile(first_sample + np.arange(G), prompts)
-    real = np.repeat(np.arange(prompts) < real_prompts, G)
+    real = np.repeat(np.arange(prompts) < real_prompts, G) & np.tile(np.arange(G) < live, prompts)
     return dict(
         samples_per_prompt=G,
         seed=np.uint32(seed),
@@ -195,8 +198,8 @@ def sample_many(
             compile_s = decode_s = 0.0
             for first in range(0, num_samples, G):
                 rows = row_inputs(
-                    model, prompts=P, real_prompts=len(chunk), samples_per_prompt=R, first_sample=first,
-                    num_samples=min(num_samples, first + G), max_new_tokens=max_new_tokens, seed=seed,
+                    model, prompts=P, real_prompts=len(chunk), samples_per_prompt=R, live_per_prompt=G,
+                    first_sample=first, num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed,
                     first_prompt_id=prompt_offset + start, stop_token_ids=stop_token_ids,
                 )  # fmt: skip
                 state = init_state(last_logits, prompt_cache, capacity=capacity, sampling=sampling, **rows)

@@ -376,8 +376,8 @@ def decode_pairs(
             compile_s = decode_s = 0.0
             for first in range(0, num_samples, G):
                 rows = row_inputs(
-                    target, prompts=P, real_prompts=len(chunk), samples_per_prompt=R, first_sample=first,
-                    num_samples=min(num_samples, first + G), max_new_tokens=max_new_tokens, seed=seed,
+                    target, prompts=P, real_prompts=len(chunk), samples_per_prompt=R, live_per_prompt=G,
+                    first_sample=first, num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed,
                     first_prompt_id=prompt_offset + start, stop_token_ids=stop_token_ids,
                 )  # fmt: skip
                 state = init_state(

@@ -51,9 +51,9 @@ def budget_slots(
 ) -> int:
     """The budget as token slots of `slot_bytes` each (one position in every cache of the decoder).
     `None` derives it from free device memory (parameters are already resident, so they are excluded):
-    the device's, or on a `mesh` the fullest device's — not times the `data` shards, because a batch
-    whose rows the shards do not divide is replicated on each of them (the plan, and so the results,
-    must not depend on the mesh). Where the device cannot tell (CPU), `fallback_slots` is used."""
+    the device's, or on a `mesh` the fullest device's — not yet times the `data` shards: the budget
+    does not count a batch's mesh padding rows nor the prompt cache each shard holds. Where the device
+    cannot tell (CPU), `fallback_slots` is used."""
     if memory_budget is None:
         devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
         free = device_free_bytes(devices)

@@ -180,11 +180,11 @@ def speculative_rejection(
     encoded = encode_prompts(engine.model, prompts, chat=chat)
     engine.check_context(encoded, max_new_tokens)
     stop_token_ids, prompt_offset = check_row_ids(engine.model, stop_token_ids, prompt_offset)
+    mesh = mesh_of(*engine.models)
     results = []
     for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
         prompt_slots = bucket(len(ids), min_prompt_bucket)
         fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + engine.headroom)
-        mesh = mesh_of(*engine.models)
         budget = budget_slots(memory_budget, engine.slot_bytes, fallback_slots=fallback, mesh=mesh)
         plan = _Plan(budget, prompt_slots, max_new_tokens, n, rate, min_first_segment, engine.headroom)
         with on_mesh(*engine.models):
@@ -238,7 +238,8 @@ def _one_prompt(
 
     rows = plan.ladder[0]
     first_rows = row_inputs(
-        model, prompts=1, real_prompts=1, samples_per_prompt=padded(rows), first_sample=0, num_samples=rows,
+        model, prompts=1, real_prompts=1, samples_per_prompt=padded(rows), live_per_prompt=rows,
+        first_sample=0, num_samples=rows,
         max_new_tokens=max_new_tokens, seed=seed, first_prompt_id=prompt_id, stop_token_ids=stop_token_ids,
     )  # fmt: skip
     state = engine.init_state(
