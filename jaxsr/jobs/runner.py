@@ -1,9 +1,11 @@
 """Run a job: prompts in, one JSONL record per prompt out, written as soon as the call that decoded the
 prompt returns (prompts decoded together in one batch finish together).
 
-The output starts with a header line naming the job's fingerprint. Re-running the same job resumes:
-prompts whose record is complete are skipped and a torn last line (from a kill) is cut off. An output
-file that belongs to a different job is refused rather than mixed.
+The output holds nothing but records, so `datasets.load_dataset("json", ...)` reads one row per prompt;
+the job (its fingerprint and config) is named in a job file beside it (`x.jsonl` -> `x.job.json`).
+Re-running the same job resumes: prompts whose record is complete are skipped and a torn last line (from
+a kill) is cut off. An output file that belongs to a different job is refused rather than mixed. An output
+written before job files existed (the job on its first line) resumes too, and is rewritten in this form.
 
 Several processes (hosts of a TPU pod or GPU VMs joined by `jax.distributed`) split a job: each decodes
 a contiguous block of the prompts on its own devices into its own part file next to the output, and
@@ -26,100 +28,102 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
+from jaxsr.data import read_prompts
 from jaxsr.jobs.config import JobConfig
 
-DATA_DIR_ENV = "JAXSR_DATA_DIR"
-BUNDLED_SETS = ("alpaca_farm_100", "alpaca_farm_eval", "hh_rlhf_100")
+
+def job_file(output: Path) -> Path:
+    """The file beside an output that names its job: `out/x.jsonl` -> `out/x.job.json`."""
+    return output.with_name(f"{output.stem}.job.json")
 
 
-def find_dataset(name: str) -> Path:
-    """A path as given, or a bundled set by name (searched in $JAXSR_DATA_DIR and ../shared/data)."""
-    path = Path(name).expanduser()
-    if path.exists():
-        return path
-    if name in BUNDLED_SETS:
-        roots = [os.environ.get(DATA_DIR_ENV), Path(__file__).resolve().parents[2] / ".." / "shared" / "data"]
-        for root in filter(None, roots):
-            candidate = Path(root) / f"{name}.json"
-            if candidate.exists():
-                return candidate.resolve()
-    raise FileNotFoundError(f"data: {name!r} is not a file nor a bundled set found via ${DATA_DIR_ENV}")
-
-
-def read_prompts(source: str, limit: int | None = None) -> list[str]:
-    path = find_dataset(source)
-    text = path.read_text()
-    records = (
-        json.loads(text)
-        if path.suffix == ".json"
-        else [json.loads(l) for l in text.splitlines() if l.strip()]
-    )
-    if not isinstance(records, list):
-        raise ValueError(f"data: {path} holds a JSON {type(records).__name__}, expected a list of records")
-    prompts = []
-    for i, record in enumerate(records):
-        prompt = record.get("prompt") if isinstance(record, dict) else record
-        if not isinstance(prompt, str):
-            raise ValueError(f"data: record {i} of {path} has no string `prompt`")
-        prompts.append(prompt)
-    return prompts[:limit] if limit is not None else prompts
+def _write_durably(path: Path, data: bytes) -> None:
+    """Replace `path` by `data` atomically: a kill leaves the old file or the new one, never a mix."""
+    partial = path.with_name(path.name + ".partial")
+    with partial.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 class JsonlOutput:
-    """Append-only JSONL with a job header; knows which prompt indices are already complete."""
+    """Append-only JSONL, one record per prompt, and beside it the job file that names the job (its
+    fingerprint and config), so the records load as they are (`datasets`, pandas) while a resume can
+    still tell whose records they are. Knows which prompt indices are already complete."""
 
     def __init__(self, path: str | Path, config: JobConfig, *, read_only: bool = False):
         """`read_only`: only read the complete records (another process may still be appending)."""
         self.path = Path(path)
+        self.job_path = job_file(self.path)
         self.fingerprint = config.fingerprint()
         self.done: set[int] = set()
         self._records: list[str] = []
-        self.header = {"jaxsr_job": self.fingerprint, "config": dataclasses.asdict(config)}
+        self.job = {"jaxsr_job": self.fingerprint, "config": dataclasses.asdict(config)}
         if self.path.exists() and self.path.stat().st_size:
             self._resume(read_only)
 
     def _resume(self, read_only: bool) -> None:
         raw = self.path.read_bytes()
         complete = raw[: raw.rfind(b"\n") + 1]
-        if not complete and self._header_line().startswith(raw):  # killed while writing the header
-            if not read_only:
-                self.path.write_bytes(b"")
-            return
-        lines = complete.decode().splitlines()
-        try:
-            header = json.loads(lines[0]) if lines else {}
-        except json.JSONDecodeError:
-            header = {}
-        if header.get("jaxsr_job") != self.fingerprint:
+        lines = complete.decode(errors="replace").splitlines()
+        legacy = self._legacy_header(lines[0]) if lines else None
+        if legacy is not None:  # written before job files existed: the job was named on line 1
+            owner, lines = legacy, lines[1:]
+        elif self.job_path.exists():
+            try:
+                owner = json.loads(self.job_path.read_text()).get("jaxsr_job")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                owner = None
+        else:
+            owner = None
+        if owner != self.fingerprint:
+            whose = f"job {owner}" if owner else f"no job named in {self.job_path.name}: not a jaxsr output"
             raise ValueError(
-                f"output: {self.path} already holds records of a different job "
-                f"({header.get('jaxsr_job', 'not a jaxsr output')}, this job is {self.fingerprint}); "
-                "choose another output path or remove that file"
+                f"output: {self.path} already holds records of a different job ({whose}; this job is "
+                f"{self.fingerprint}); choose another output path or remove that file"
             )
-        for line in lines[1:]:
-            self.done.add(json.loads(line)["index"])
-        self._records = lines[1:]
-        if len(complete) < len(raw) and not read_only:  # a record torn by a kill: drop it, it is redone
+        try:
+            self.done = {json.loads(line)["index"] for line in lines}
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"output: {self.path} holds a line that is not a jaxsr record ({e})") from None
+        self._records = lines
+        if read_only:
+            return
+        if legacy is not None:  # move the job to its own file; the records file becomes plain records
+            self._write_job_file()
+            _write_durably(self.path, "".join(line + "\n" for line in lines).encode())
+        elif len(complete) < len(raw):  # a record torn by a kill: drop it, it is redone
             with self.path.open("r+b") as f:
                 f.truncate(len(complete))
 
-    def _header_line(self) -> bytes:
-        return (json.dumps(self.header) + "\n").encode()
+    @staticmethod
+    def _legacy_header(line: str) -> str | None:
+        try:
+            first = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        return first.get("jaxsr_job") if isinstance(first, dict) and "index" not in first else None
 
-    def _append_line(self, line: str) -> None:
+    def _write_job_file(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _write_durably(self.job_path, (json.dumps(self.job, indent=1) + "\n").encode())
+
+    def write(self, index: int, record: dict[str, Any]) -> None:
+        """Append one record; the job file is written with the first record (a job that fails before
+        producing anything leaves no file behind)."""
+        if not self.path.exists() or not self.path.stat().st_size:
+            self._write_job_file()
+        line = json.dumps({"index": index, **record})
         with self.path.open("a") as f:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
-
-    def write(self, index: int, record: dict[str, Any]) -> None:
-        """Append one record; the header goes first, with the first record (a job that fails before
-        producing anything leaves no file behind)."""
-        if not self.path.exists() or not self.path.stat().st_size:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._append_line(json.dumps(self.header))
-        line = json.dumps({"index": index, **record})
-        self._append_line(line)
         self._records.append(line)
         self.done.add(index)
 
@@ -128,21 +132,16 @@ class JsonlOutput:
         return {json.loads(line)["index"]: line for line in self._records}
 
     def replace_with(self, records: dict[int, str]) -> None:
-        """Atomically (and durably) make the file the header plus `records` in prompt order."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(self.path.name + ".merging")
-        with partial.open("wb") as f:
-            f.write(self._header_line() + "".join(records[i] + "\n" for i in sorted(records)).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, self.path)
-        directory = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        """Atomically (and durably) make the file `records` in prompt order."""
+        self._write_job_file()
+        _write_durably(self.path, "".join(records[i] + "\n" for i in sorted(records)).encode())
         self._records = [records[i] for i in sorted(records)]
         self.done = set(records)
+
+    def remove(self) -> None:
+        """Delete the records and the job file (a part file once merged)."""
+        self.path.unlink()
+        self.job_path.unlink(missing_ok=True)
 
 
 def chunks(indices: list[int], size: int) -> Iterator[list[int]]:
@@ -198,19 +197,19 @@ def _merge_parts(output: JsonlOutput, config: JobConfig, total: int | None = Non
     """Fold every part file of the job (of any process count) into the output, each prompt once, and
     remove the parts. With `total`, merge only if all `total` records are there; returns how many are
     missing."""
-    parts = _part_files(output)
+    parts = [JsonlOutput(path, config, read_only=True) for path in _part_files(output)]
     if not parts and total is None:
         return 0
     records = output.records()
-    for path in parts:
-        for index, line in JsonlOutput(path, config, read_only=True).records().items():
+    for part in parts:
+        for index, line in part.records().items():
             records.setdefault(index, line)
     missing = 0 if total is None else total - len(records)
     if missing:
         return missing
     output.replace_with(records)
-    for path in parts:
-        path.unlink()
+    for part in parts:
+        part.remove()
     return 0
 
 

@@ -1,0 +1,63 @@
+"""Prompt sets: the ones shipped inside the package, found by name, and any JSON/JSONL file of prompts.
+
+A set is a JSON list (or JSONL) of records with a string `prompt` (or of plain strings). By name, a set is
+looked up first in the folders of `$JAXSR_DATA_DIR` (`os.pathsep`-separated; `NAME.json` or
+`NAME.jsonl`), then among the sets bundled here (see `README.md` beside this file for their sources and
+licences), so a user's folder can add sets or shadow a bundled one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+DATA_DIR_ENV = "JAXSR_DATA_DIR"
+BUNDLED_DIR = Path(__file__).resolve().parent
+SUFFIXES = (".json", ".jsonl")
+
+
+def bundled_sets() -> list[str]:
+    """Names of the prompt sets shipped with jaxsr."""
+    return sorted(p.stem for p in BUNDLED_DIR.iterdir() if p.suffix in SUFFIXES)
+
+
+def find_dataset(name: str) -> Path:
+    """A path as given, else a set by name from `$JAXSR_DATA_DIR`, else a bundled set."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    if path.exists():
+        raise ValueError(f"data: {name!r} is a directory, expected a JSON/JSONL file or a set name")
+    roots = [Path(r).expanduser() for r in os.environ.get(DATA_DIR_ENV, "").split(os.pathsep) if r]
+    for root in [*roots, BUNDLED_DIR]:
+        for suffix in SUFFIXES:
+            candidate = root / f"{name}{suffix}"
+            if candidate.is_file():
+                return candidate.resolve()
+    raise FileNotFoundError(
+        f"data: {name!r} is neither a file nor a known prompt set (bundled: {', '.join(bundled_sets())}; "
+        f"more sets can be added as NAME.json/NAME.jsonl in a folder named by ${DATA_DIR_ENV})"
+    )
+
+
+def read_prompts(source: str, limit: int | None = None) -> list[str]:
+    """The prompts of a set (a name or a path), the first `limit` of them when given."""
+    path = find_dataset(source)
+    text = path.read_text()
+    try:
+        if path.suffix == ".json":
+            records = json.loads(text)
+        else:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"data: {path} is not valid JSON{'L' if path.suffix != '.json' else ''}: {e}") from e
+    if not isinstance(records, list):
+        raise ValueError(f"data: {path} holds a JSON {type(records).__name__}, expected a list of records")
+    prompts = []
+    for i, record in enumerate(records):
+        prompt = record.get("prompt") if isinstance(record, dict) else record
+        if not isinstance(prompt, str):
+            raise ValueError(f"data: record {i} of {path} has no string `prompt`")
+        prompts.append(prompt)
+    return prompts[:limit] if limit is not None else prompts

@@ -1,0 +1,75 @@
+"""Prompt sets ship inside the package and are found by name from anywhere; $JAXSR_DATA_DIR adds more."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from jaxsr.data import BUNDLED_DIR, bundled_sets, find_dataset, read_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bundled_sets_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("JAXSR_DATA_DIR", raising=False)
+    assert bundled_sets() == ["alpaca_farm_100", "alpaca_farm_eval", "hh_rlhf_100"]
+    sizes = {name: len(read_prompts(name)) for name in bundled_sets()}
+    assert sizes == {"alpaca_farm_100": 100, "alpaca_farm_eval": 805, "hh_rlhf_100": 100}
+    assert find_dataset("hh_rlhf_100").parent == BUNDLED_DIR
+    assert read_prompts("alpaca_farm_eval", limit=2)[0].startswith("What are the names of some famous actors")
+    # the 100-prompt subset is drawn from the 805: every prompt is in the full set
+    assert set(read_prompts("alpaca_farm_100")) <= set(read_prompts("alpaca_farm_eval"))
+
+
+def test_the_data_folder_adds_and_shadows_sets(tmp_path, monkeypatch):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    (first / "mine.jsonl").write_text(json.dumps({"prompt": "one"}) + "\n" + json.dumps("two") + "\n")
+    (second / "hh_rlhf_100.json").write_text(json.dumps([{"prompt": "shadowed"}]))
+    monkeypatch.setenv("JAXSR_DATA_DIR", f"{first}:{second}")
+    assert read_prompts("mine") == ["one", "two"]
+    assert read_prompts("hh_rlhf_100") == ["shadowed"]
+    assert len(read_prompts("alpaca_farm_100")) == 100  # the rest still come from the package
+
+
+def test_unknown_sets_and_bad_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"'nope'.*alpaca_farm_100"):
+        find_dataset("nope")
+    with pytest.raises(ValueError, match="directory"):
+        find_dataset(str(tmp_path))
+    bad = tmp_path / "bad.json"
+    bad.write_text("[{")
+    with pytest.raises(ValueError, match=f"{bad}.*not valid JSON"):
+        read_prompts(str(bad))
+
+
+def test_every_bundled_file_is_package_data():
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {p for pattern in patterns["jaxsr"] for p in (ROOT / "jaxsr").glob(pattern)}
+    data_files = {p for p in BUNDLED_DIR.iterdir() if p.suffix in (".json", ".md")}
+    assert data_files and data_files <= shipped
+
+
+def test_no_file_of_the_repository_reaches_outside_it():
+    """A user's machine has only the repository: nothing may read the workspace folder beside it."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    # the workspace folder by a relative path, as a string or as Path parts (the pattern does not match its own text)
+    outside = re.compile(r"\.\./shared|shared['\"]?\s*/\s*['\"]?data")
+    small = [ROOT / name for name in listed if (ROOT / name).is_file() and (ROOT / name).stat().st_size < 2e6]
+    offenders = [p for p in small if outside.search(p.read_bytes().decode(errors="replace"))]
+    assert offenders == []
