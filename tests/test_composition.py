@@ -7,6 +7,7 @@ import itertools
 import pytest
 from test_speculative import PROMPTS, SAMPLING, perturbed
 from tiny import tiny_model
+from tolerance import assert_same_sample
 
 import jaxsr
 from jaxsr.rewards import SelfLikelihood
@@ -64,8 +65,8 @@ def test_zero_rejection_over_a_decoder_is_best_of_n_over_it(target, draft, kind)
     for a, b in zip(bon, sr, strict=True):
         assert tokens(a) == tokens(b)
         # same choice; log-probabilities agree to float32 rounding (cache shapes differ)
-        assert a.best is not None and a.best.index == b.best.index
-        assert a.best.score == pytest.approx(b.best.score, rel=1e-5)
+        assert a.best is not None and b.best is not None
+        assert_same_sample(b.best, a.best)
         assert b.stats["rounds"] == 1
 
 
@@ -92,10 +93,8 @@ def test_survivors_over_scd_continue_exactly_as_they_would_unrejected(scd_search
     _, _, results, bon = scd_search
     for sr, full in zip(results, bon, strict=True):
         assert sr.stats["rounds"] >= 2
-        for sample in sr.samples:
-            twin = full.samples[sample.index]
-            assert sample.token_ids == twin.token_ids and sample.finished == twin.finished
-            assert sample.score == pytest.approx(twin.score, rel=1e-5, abs=1e-5)
+        for sample in sr.samples:  # tokens exactly; scores to f32 rounding (other batch shapes)
+            assert_same_sample(sample, full.samples[sample.index])
 
 
 def test_memory_over_scd_counts_both_caches_and_stays_within_budget(scd_search):

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 from tiny import tiny_model
+from tolerance import assert_same_sample
 
 import jaxsr
 from jaxsr.decoding import sampler
@@ -63,7 +64,9 @@ def test_zero_rejection_is_best_of_n(lm):
     )
     for a, b in zip(bon, sr, strict=True):
         assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
-        assert a.best == b.best and a.best is not None
+        # the same choice; its log-probability only to f32 rounding (SR's cache has another capacity)
+        assert a.best is not None and b.best is not None
+        assert_same_sample(b.best, a.best)
         assert b.stats["rounds"] == 1
 
 
@@ -88,11 +91,8 @@ def sr_run(lm):
 def test_survivors_continue_exactly_as_they_would_unrejected(sr_run):
     _, results, bon = sr_run
     for sr, full in zip(results, bon, strict=True):
-        for sample in sr.samples:
-            twin = full.samples[sample.index]
-            assert sample.token_ids == twin.token_ids
-            assert sample.finished == twin.finished
-            assert sample.score == pytest.approx(twin.score, rel=1e-5, abs=1e-5)
+        for sample in sr.samples:  # tokens exactly; scores to f32 rounding (other batch shapes)
+            assert_same_sample(sample, full.samples[sample.index])
 
 
 def test_batch_shrinks_and_memory_stays_within_budget(lm, sr_run):
@@ -212,7 +212,11 @@ def test_best_of_n_chunks_to_the_memory_budget(lm):
         lm, SelfLikelihood(), PROMPTS[:1], n=8, max_new_tokens=10, seed=0, memory_budget=16 + 2 * 16
     )[0]
     assert [s.token_ids for s in chunked.samples] == [s.token_ids for s in whole.samples]
-    assert chunked.best == whole.best
+    # chunks of 2 rows are another program than one batch of 8: log-probabilities and scores agree to
+    # f32 rounding (3.8e-6 apart on an AVX2 CPU), the tokens and the choice exactly
+    for got, expected in zip(chunked.samples, whole.samples, strict=True):
+        assert_same_sample(got, expected)
+    assert chunked.best is not None and chunked.best.index == whole.best.index
     assert chunked.stats["batch_rows"] == 2 and chunked.stats["kv_slots"] <= 16 + 2 * 16
 
 
