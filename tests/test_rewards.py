@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tolerance import assert_same_sample
 
 import jaxsr
 from jaxsr.loading.encoder import load_encoder, minilm_path
@@ -18,6 +19,11 @@ from jaxsr.loading.gguf import smollm2_path
 from jaxsr.rewards import Candidates, ClassifierReward, EmbeddingSimilarity, SelfLikelihood, as_reward
 
 TOL = 1e-4
+"""Rewards (O(1–10)) of jaxsr against torch, or of the on-device path against a direct call: two
+implementations in float32, measured within 1e-6 of each other on AVX2, AVX and SSE4.2."""
+BATCH_TOL = 1e-5
+"""The same reward model over another batch (other chunks, row order, padded width): f32 rounding only,
+measured within 6e-7 on AVX2, AVX and SSE4.2."""
 RM_CONTEXT = 256
 PAD_ID = 0
 """`<|endoftext|>` in SmolLM2's vocabulary: never part of a rendered conversation."""
@@ -163,10 +169,10 @@ def test_classifier_batch_equals_one_at_a_time(rm, smol_tokenizer):
     together = reward.score(candidates(PROMPT, RESPONSES))
     alone = np.array([reward.score(candidates(PROMPT, [r]))[0] for r in RESPONSES])
     assert together.shape == (len(RESPONSES),)
-    np.testing.assert_allclose(together, alone, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(together, alone, atol=BATCH_TOL, rtol=0)
     assert np.ptp(together) > 1e-3
     backwards = reward.score(candidates(PROMPT, RESPONSES[::-1]))
-    np.testing.assert_allclose(backwards[::-1], together, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(backwards[::-1], together, atol=BATCH_TOL, rtol=0)
 
 
 def test_classifier_counts_padded_work(rm, smol_tokenizer):
@@ -247,7 +253,7 @@ def test_similarity_is_the_cosine_of_the_encoder_embeddings(encoder):
     prompt = np.asarray(encoder.embed([PROMPT]))[0].astype(np.float64)
     responses = np.asarray(encoder.embed(texts)).astype(np.float64)
     cosine = responses @ prompt / (np.linalg.norm(responses, axis=1) * np.linalg.norm(prompt))
-    np.testing.assert_allclose(scores, cosine, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(scores, cosine, atol=1e-5, rtol=0)  # f32 pipeline against a float64 cosine
 
 
 def test_similarity_of_empty_partial_responses(encoder):
@@ -354,8 +360,11 @@ def test_zero_rejection_sr_equals_best_of_n(bon, generator, rm):
         generator, rm, PROMPTS, n=N, rejection_rate=0.0, memory_budget=4096, max_new_tokens=MAX_NEW, seed=7
     )
     for a, b in zip(bon, sr, strict=True):
+        # tokens and the choice exactly; rewards and log-probabilities to f32 rounding (SR decodes and
+        # scores in its own batch shapes)
         assert [s.token_ids for s in b.samples] == [s.token_ids for s in a.samples]
-        np.testing.assert_allclose([s.score for s in b.samples], [s.score for s in a.samples], atol=1e-5)
+        for got, expected in zip(b.samples, a.samples, strict=True):
+            assert_same_sample(got, expected, atol=BATCH_TOL)
         assert b.best is not None and b.best.index == a.best.index
         assert b.stats["rounds"] == 1 and b.stats["token_forwards"]["reward"] > 0
 
@@ -383,11 +392,13 @@ def test_speculative_rejection_keeps_the_best_partial_responses(bon, generator, 
     prefix, suffix = template_ids(smol_tokenizer, PROMPTS[0])
     partial = [prefix + s.token_ids[:cut] + suffix for s in full]
     partial_scores = np.asarray(rm.scores(*left_padded(partial)))
-    assert len(set(np.round(partial_scores, 4))) == N  # no ties: the kept set is well defined
+    # no near-tie at the cut: SR's on-device rewards differ from these by f32 rounding (< 1e-6), so the
+    # kept set is well defined and compared exactly
+    ranked = np.sort(partial_scores)[::-1]
+    assert ranked[N // 2 - 1] - ranked[N // 2] > 100 * BATCH_TOL
     assert sorted(s.index for s in result.samples) == sorted(np.argsort(-partial_scores)[: N // 2].tolist())
-    for sample in result.samples:
-        assert sample.token_ids == full[sample.index].token_ids
-        assert sample.score == pytest.approx(full[sample.index].score, abs=1e-5)
+    for sample in result.samples:  # tokens exactly, rewards to f32 rounding (another batch)
+        assert_same_sample(sample, full[sample.index], atol=BATCH_TOL)
     assert stats["token_forwards"]["reward"] > bon[0].stats["token_forwards"]["reward"]
     check_best(result)
 
