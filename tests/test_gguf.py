@@ -109,6 +109,7 @@ def test_synthetic_gguf_matches_torch(family, arch, tmp_path):
     assert lm.config.tie_word_embeddings == model.config.tie_word_embeddings
     assert lm.eos_token_ids == (model.config.eos_token_id,)
     tokens, mask = left_padded_batch()
+    # jax against torch in float32 on logits of O(1–10): measured within 7e-6 on AVX2, AVX and SSE4.2
     np.testing.assert_allclose(
         np.asarray(lm.logits(tokens, mask))[mask.astype(bool)],
         torch_logits(model, tokens, mask)[mask.astype(bool)],
@@ -202,6 +203,7 @@ def test_unpermuted_rotate_half_rope_equals_interleaved_rope():
         v = jnp.asarray((x @ unpermute_qk(w, heads).T).reshape(1, T, heads, D))
         return np.asarray(apply_rope(v, jnp.asarray(positions)[None], inv))[0]
 
+    # numpy float64 rotations against jax float32 ones on scores of O(10): f32 rounding, measured 4e-6
     np.testing.assert_allclose(scores(q_gguf, k_gguf), scores(rotate_half(wq), rotate_half(wk)), atol=1e-4)
 
 
@@ -252,8 +254,13 @@ def test_smollm2_logits_match_pytorch(smollm2):
     """Left-padded batch of two chat prompts against transformers' model of the same GGUF.
 
     SmolLM2's residual stream reaches ~2e4 at the first token, so float32 itself is only good to about
-    1e-4 on its logits (|logit| ≲ 30): PyTorch float32 differs from a float64 run by up to 1.2e-4 on such
-    prompts and jaxsr by up to 1.6e-4. Hence 2.5e-4 on the maximum, and the mean is held far tighter.
+    1e-4 on its logits (|logit| ≲ 30): against a float64 run of the same model, PyTorch float32 is off by
+    up to 1.2e-4 (mean 1.1e-5) and jaxsr by up to 1.8e-4 (mean 2.8e-5, XLA limited to AVX). How far the
+    two float32 runs are apart depends on the processor and on the instruction set each library picks:
+    measured on one AVX2 CPU with XLA at AVX2, AVX and SSE4.2 and torch at AVX2 and its baseline, up to
+    2.1e-4 (mean 2.6e-5). Hence 5e-4 on the maximum and 6e-5 on the mean, about twice the worst seen; a
+    mapping mistake (wrong q/k order, norm, tied head) moves logits by O(1). The argmax is exact: its
+    smallest top-2 gap on these prompts is 0.036.
     """
     lm, hf = smollm2
     rows = [chat_ids(lm.tokenizer, "What is the capital of France?"), chat_ids(lm.tokenizer, "Hi")]
@@ -263,8 +270,8 @@ def test_smollm2_logits_match_pytorch(smollm2):
     with torch.no_grad():
         theirs = torch_logits(hf, tokens, mask)[mask.astype(bool)]
     diff = np.abs(ours - theirs)
-    assert diff.max() < 2.5e-4
-    assert diff.mean() < 2e-5
+    assert diff.max() < 5e-4, diff.max()
+    assert diff.mean() < 6e-5, diff.mean()
     np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
 
 
