@@ -1,29 +1,17 @@
-"""The `jaxsr` command: `jaxsr run CONFIG.yaml [key=value ...]`, `jaxsr demo`."""
+"""The `jaxsr` command: `jaxsr run CONFIG.yaml [key=value ...]`, `jaxsr demo [--prompts K ...]`."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import jax
 
 from jaxsr.jobs.config import load_job_config
+from jaxsr.jobs.demo import run_demo
 from jaxsr.jobs.methods import build_solver
 from jaxsr.jobs.runner import run_job
-
-DEMO_OVERRIDES = [
-    "method=speculative_rejection",
-    "model=smollm2",
-    "reward=minilm",
-    "data=alpaca_farm_100",
-    "limit=2",
-    "max_new_tokens=48",
-    "rejection_rate=0.5",
-    "memory_budget=1024",
-    "output=out/demo.jsonl",
-]
 
 
 def join_processes(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
@@ -40,19 +28,6 @@ def run(config_path: str | None, overrides: list[str], progress: bool = True) ->
     return run_job(config, solve, prompts_per_call=per_call, progress=progress)
 
 
-def demo(overrides: list[str]) -> None:
-    path = run(None, [*DEMO_OVERRIDES, *overrides])
-    for line in path.read_text().splitlines()[1:]:
-        record = json.loads(line)
-        best = record["best"] or record["samples"][0]
-        stats = record["stats"]
-        print(f"\n### {record['prompt'][:200]}\n{best['text']}")
-        if "batch_sizes" in stats:
-            rows, score, wall = stats["batch_sizes"], best["score"], stats["wall_s"]
-            print(f"[live rows per round {rows}, reward {score:.3f}, {wall:.1f} s]")
-    print(f"\nrecords: {path}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxsr", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -67,13 +42,35 @@ def main(argv: list[str] | None = None) -> int:
     hosts.add_argument("--coordinator", help="host:port of process 0 (these three imply --distributed)")
     hosts.add_argument("--num-processes", type=int)
     hosts.add_argument("--process-id", type=int)
-    demo_parser = commands.add_parser("demo", help="run the embedded default job")
-    demo_parser.add_argument("overrides", nargs="*", metavar="key=value")
+    demo_parser = commands.add_parser(
+        "demo",
+        help="Best-of-N vs Speculative Rejection and SCD vs CD on a few prompts with the embedded models",
+        description="Measured in the run: a table, a JSONL of the records and a plot under --output-dir.",
+    )
+    demo_parser.add_argument(
+        "--prompts", type=int, default=3, metavar="K", help="AlpacaFarm prompts (default 3)"
+    )
+    demo_parser.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="T", help="new tokens per answer (default 64)"
+    )
+    demo_parser.add_argument(
+        "--n", type=int, nargs="+", default=[2, 4, 8, 16], help="Best-of-N sizes (default 2 4 8 16)"
+    )
+    demo_parser.add_argument(
+        "--rejection-rate", type=float, default=0.5, metavar="α", help="SR's α (default 0.5)"
+    )
+    demo_parser.add_argument(
+        "--gamma", type=int, default=1, metavar="γ", help="SCD's draft length γ (default 1)"
+    )
+    demo_parser.add_argument("--seed", type=int, default=0)
+    demo_parser.add_argument("--output-dir", default="out/demo", metavar="DIR", help="default out/demo")
+    demo_parser.add_argument("--no-progress", action="store_true")
     args, extra = parser.parse_known_args(argv)
-    unknown = [item for item in extra if "=" not in item or item.startswith("-")]
+    unknown = [i for i in extra if args.command == "demo" or "=" not in i or i.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides += extra  # key=value items given after an option
+    if args.command == "run":
+        args.overrides += extra  # key=value items given after an option
     try:
         if args.command == "run":
             joined = (args.coordinator, args.num_processes, args.process_id)
@@ -81,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                 join_processes(args.coordinator, args.num_processes, args.process_id)
             print(run(args.config, args.overrides, progress=not args.no_progress))
         else:
-            demo(args.overrides)
+            run_demo(
+                args.output_dir, prompts=args.prompts, max_new_tokens=args.max_new_tokens, ns=args.n,
+                rejection_rate=args.rejection_rate, gamma=args.gamma, seed=args.seed,
+                progress=not args.no_progress,
+            )  # fmt: skip
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"jaxsr: error: {e}", file=sys.stderr)
         return 2
