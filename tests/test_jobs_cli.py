@@ -18,8 +18,8 @@ import pytest
 import transformers
 import yaml
 
-from jaxsr.cli import DEMO_OVERRIDES, main
-from jaxsr.data import find_dataset, read_prompts
+from jaxsr.cli import main
+from jaxsr.data import read_prompts
 from jaxsr.jobs.config import JobConfig, load_job_config
 from jaxsr.jobs.runner import job_file
 
@@ -207,15 +207,6 @@ def test_keys_the_method_does_not_use_are_refused():
     config = load_job_config(None, ["method=best_of_n", "n=4", "decoder=contrastive", "draft=x", "beta=1"])
     assert config.beta == 1.0  # a decoder's options are used
     assert load_job_config(None, ["method=generate", "gamma=4"]).gamma == 4  # a default is not a setting
-
-
-def test_demo_overrides_make_a_valid_job():
-    config = load_job_config(None, DEMO_OVERRIDES)
-    assert config.method == "speculative_rejection" and config.reward == "minilm"
-    assert config.model == "smollm2" and config.limit == 2 and config.memory_budget == 1024
-    assert 0 < config.rejection_rate < 1 and config.max_new_tokens >= 1
-    assert load_job_config(None, [*DEMO_OVERRIDES, "limit=1"]).limit == 1  # `jaxsr demo key=value`
-    assert find_dataset(config.data).is_file()  # a prompt set bundled with the package
 
 
 # -- running jobs from the command line ------------------------------------------------------------
