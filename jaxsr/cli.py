@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-new-tokens", type=int, default=64, metavar="T", help="new tokens per answer (default 64)"
     )
     demo_parser.add_argument(
-        "--n", type=int, nargs="+", default=[2, 4, 8, 16], help="Best-of-N sizes (default 2 4 8 16)"
+        "--n", type=int, nargs="+", default=[2, 8, 16], help="Best-of-N sizes (default 2 8 16)"
     )
     demo_parser.add_argument(
         "--rejection-rate", type=float, default=0.5, metavar="α", help="SR's α (default 0.5)"
