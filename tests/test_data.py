@@ -68,7 +68,7 @@ def test_no_file_of_the_repository_reaches_outside_it():
         ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
-    # the workspace folder by a relative path, as a string or as Path parts (the pattern does not match its own text)
+    # the workspace folder by a relative path, as text or as Path parts (not matching this line)
     outside = re.compile(r"\.\./shared|shared['\"]?\s*/\s*['\"]?data")
     small = [ROOT / name for name in listed if (ROOT / name).is_file() and (ROOT / name).stat().st_size < 2e6]
     offenders = [p for p in small if outside.search(p.read_bytes().decode(errors="replace"))]
