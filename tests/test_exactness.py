@@ -271,7 +271,8 @@ def test_measured_acceptance_matches_the_sum_of_min_p_q(kind):
     c = COMPOSITIONS["one prompt"]
     _, dists = exact_joint(kind, tuple(c["prompts"][0]), 4, (), PLAIN)
     dist = acceptance_distribution(dists, 4)
-    assert dist.sum() == pytest.approx(1.0)
+    # a tree of float32 distributions, each summing to 1 only to ~1e-7: measured within 8e-8 of 1
+    assert dist.sum() == pytest.approx(1.0, abs=1e-6)
     counts = np.arange(len(dist))
     mean, var = (dist * counts).sum(), (dist * counts**2).sum() - (dist * counts).sum() ** 2
     assert 0.3 < mean < 1.7, "the models must disagree for this test to mean anything"
