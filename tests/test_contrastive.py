@@ -44,6 +44,8 @@ def test_obrien_lewis_scores_and_plausibility_cutoff(alpha):
     scores = np.asarray(contrastive_scores(z_e, z_a, make_contrast(alpha, beta)))
     p_e = np.exp(log_softmax64(z_e))
     plausible = p_e >= alpha * p_e.max(-1, keepdims=True)
+    # the cutoff is a choice, compared exactly: on these logits no log-probability lies within 4e-4 of
+    # log α + max (float32 rounding is ~1e-6), so f32 and float64 agree on every token
     np.testing.assert_array_equal(scores > MASKED / 2, plausible)
     if alpha == 0.0:
         assert plausible.all()
@@ -63,9 +65,11 @@ def test_li_scores_use_the_amateur_temperature():
     scores = np.asarray(contrastive_scores(z_e, z_a, make_contrast(0.1, contrast="li", tau=tau)))
     lp_e, lp_a = log_softmax64(z_e), log_softmax64(z_a)
     plausible = lp_e >= np.log(0.1) + lp_e.max(-1, keepdims=True)
+    # f32 log-softmax against float64: rounding only (measured 1.8e-6)
     np.testing.assert_allclose(scores[plausible], (lp_e - lp_a / tau)[plausible], rtol=1e-5, atol=1e-4)
     assert (scores[~plausible] == MASKED).all()
-    # β is the O'Brien & Lewis weight: it does not enter Li et al.'s form
+    # β is the O'Brien & Lewis weight: it does not enter Li et al.'s form (the same weights, the same
+    # computation: bitwise equal)
     other = np.asarray(contrastive_scores(z_e, z_a, make_contrast(0.1, beta=3.0, contrast="li", tau=tau)))
     np.testing.assert_array_equal(scores, other)
 
@@ -80,8 +84,9 @@ def test_greedy_contrastive_decoding_is_the_argmax_of_the_full_forward_scores(ex
         assert len(generated) == 12
         seq = [prompt + generated]
         scores = np.asarray(contrastive_scores(expert.logits(seq)[0], amateur.logits(seq)[0], weights))
+        # tokens exactly (cached decode vs full forward could only differ at a float32 near-tie)
         assert scores[len(prompt) - 1 : -1].argmax(-1).tolist() == generated
-        # the expert's own log-likelihood of the tokens is recorded
+        # the expert's own log-likelihood of the tokens is recorded: f32 sum against float64
         lp = log_softmax64(expert.logits(seq)[0])
         expected = sum(lp[len(prompt) - 1 + i, t] for i, t in enumerate(generated))
         assert result.samples[0].logprob == pytest.approx(expected, rel=1e-4, abs=1e-3)

@@ -51,6 +51,8 @@ def test_processors_keep_the_same_tokens_as_hugging_face(config):
     ref = ref.numpy()
     ours = np.asarray(process_logits(logits, config))
     kept = ref > -np.inf
+    # the kept set is a choice, compared exactly: no cumulative probability of these logits lies within
+    # 1.4e-3 of top_p, far above float32 rounding; the kept values agree to a few ulps (jax vs torch)
     np.testing.assert_array_equal(ours > -1e29, kept)
     np.testing.assert_allclose(ours[kept], ref[kept], rtol=1e-6)
 
@@ -60,7 +62,8 @@ def test_greedy_equals_argmax_of_the_full_forward(lm):
     for prompt, result in zip(PROMPTS, out, strict=False):
         generated = result.samples[0].token_ids
         assert len(generated) == 12
-        # teacher-forced: every generated token is the argmax after the tokens before it
+        # teacher-forced: every generated token is the argmax after the tokens before it (tokens exactly;
+        # cached decode and full forward could only disagree at a float32 near-tie)
         logits = np.asarray(lm.logits([prompt + generated]))[0]
         assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == generated
 
@@ -96,6 +99,8 @@ def test_stop_ids_end_a_row_and_are_not_returned(lm):
     sample = stopped[0].samples[0]
     assert sample.finished and sample.token_ids == free.token_ids[:first]
     eos_model = tiny_model(seed=0, eos_token_ids=(stop,))
+    # the same weights, shapes and program, only the stop comes from the model: the whole Sample (its
+    # float logprob included) is bitwise equal
     assert jaxsr.generate(eos_model, [PROMPTS[0]], max_new_tokens=8, sampling=greedy)[0].samples[0] == sample
 
 
@@ -222,6 +227,7 @@ def test_self_likelihood_is_accumulated_from_the_sampling_logits(lm):
     seq = PROMPTS[0] + sample.token_ids
     logp = np.asarray(jax_log_softmax(lm.logits([seq])))[0]
     expected = sum(logp[len(PROMPTS[0]) - 1 + i, t] for i, t in enumerate(sample.token_ids))
+    # cached decode vs one full forward, f32 rounding of a 6-term sum
     assert sample.logprob == pytest.approx(expected, rel=1e-4, abs=1e-4)
 
 
