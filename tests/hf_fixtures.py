@@ -250,3 +250,29 @@ def torch_logits(model: torch.nn.Module, tokens: np.ndarray, mask: np.ndarray) -
         use_cache=False,
     )
     return out.logits.float().numpy()
+
+
+SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_tokenizer() -> Any:
+    """Byte-level BPE without merges (259 ids: 3 specials + 256 bytes) and a ChatML template."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(SPECIALS)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

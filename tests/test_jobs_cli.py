@@ -15,7 +15,6 @@ from pathlib import Path
 
 import hf_fixtures as H
 import pytest
-import transformers
 import yaml
 
 from jaxsr.cli import main
@@ -24,29 +23,6 @@ from jaxsr.jobs.config import JobConfig, load_job_config
 from jaxsr.jobs.runner import job_file
 
 PROMPTS = ["Name a color.", "Say hi.", "Count to three.", "Pick a fruit."]
-SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-def byte_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """Byte-level BPE without merges (259 ids: 3 specials + 256 bytes) and a ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {s: i for i, s in enumerate(SPECIALS)}
-    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIALS)
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>"
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +30,7 @@ def model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama checkpoint (safetensors) with the byte tokenizer: what `model=` points at."""
     directory = tmp_path_factory.mktemp("byte-llama")
     return H.build_llama_with_tokenizer(
-        "LlamaForCausalLM", byte_tokenizer(), directory, 21, rms_norm_eps=1e-6
+        "LlamaForCausalLM", H.byte_tokenizer(), directory, 21, rms_norm_eps=1e-6
     )
 
 

@@ -320,7 +320,6 @@ def check_best(result: jaxsr.Result) -> None:
     assert result.best is result.samples[int(np.argmax(scores))]
 
 
-@pytest.mark.slow
 def template_ids(tokenizer, prompt: str) -> tuple[list[int], list[int]]:
     """(the template's ids before the assistant's content, the ids after it)."""
     marker = "\ue000"

@@ -7,7 +7,6 @@ import hf_fixtures as H
 import numpy as np
 import pytest
 import transformers
-from test_jobs_cli import byte_tokenizer
 from tolerance import assert_same_sample
 
 import jaxsr
@@ -25,7 +24,7 @@ PROMPT = "Tell me something."
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    tokenizer = byte_tokenizer()
+    tokenizer = H.byte_tokenizer()
     lm_dir, rm_dir = tmp_path_factory.mktemp("byte-lm"), tmp_path_factory.mktemp("byte-rm")
     options = dict(max_position_embeddings=256, rms_norm_eps=1e-6)
     H.build_llama_with_tokenizer("LlamaForCausalLM", tokenizer, lm_dir, 3, **options)
