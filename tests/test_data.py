@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import tomllib
-from pathlib import Path
 
 import pytest
+from repository import ROOT, repository_files
 
 from jaxsr.data import BUNDLED_DIR, bundled_sets, find_dataset, read_prompts
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bundled_sets_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
@@ -58,18 +55,8 @@ def test_every_bundled_file_is_package_data():
 
 def test_no_file_of_the_repository_reaches_outside_it():
     """A user's machine has only the repository: nothing may read the workspace folder beside it."""
-    try:
-        listed = subprocess.run(
-            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout")
     # the workspace folder by a relative path, as text or as Path parts (not matching this line)
     outside = re.compile(r"\.\./shared|shared['\"]?\s*/\s*['\"]?data")
-    small = [ROOT / name for name in listed if (ROOT / name).is_file() and (ROOT / name).stat().st_size < 2e6]
+    small = [p for p in repository_files() if p.stat().st_size < 2e6]
     offenders = [p for p in small if outside.search(p.read_bytes().decode(errors="replace"))]
     assert offenders == []

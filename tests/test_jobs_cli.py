@@ -16,6 +16,7 @@ from pathlib import Path
 import hf_fixtures as H
 import pytest
 import yaml
+from repository import copy_repository
 
 from jaxsr.cli import main
 from jaxsr.data import read_prompts
@@ -258,31 +259,12 @@ def test_a_job_resumes_on_another_mesh_with_the_same_records(job):
     assert_same_up_to_rounding(records, parse_records(uninterrupted))
 
 
-def repository_copy(destination: Path) -> Path:
-    """The repository's files (tracked or not ignored) copied into `destination`, with nothing beside."""
-    root = Path(__file__).resolve().parents[1]
-    names = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    for name in names:
-        if (root / name).is_file():
-            (destination / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(root / name, destination / name)
-    return destination
-
-
 @pytest.mark.slow
 def test_a_copy_of_the_repository_with_nothing_beside_it_runs_a_bundled_set(job, tmp_path):
     """A user's clone has no workspace folders around it: the prompt sets come with the package."""
-    if shutil.which("git") is None or not (Path(__file__).resolve().parents[1] / ".git").exists():
-        pytest.skip("not a git checkout")
     path, _ = job
     alone = tmp_path / "alone"
-    copy = repository_copy(alone / "jaxsr")
+    copy = copy_repository(alone / "jaxsr")
     assert [p.name for p in alone.iterdir()] == ["jaxsr"]
     env = {**os.environ, "PYTHONPATH": str(copy), "JAXSR_DATA_DIR": ""}
     where = subprocess.run(
