@@ -1,0 +1,119 @@
+"""Speculative Rejection's bookkeeping at decision points, against a plain-Python statement of the
+reference implementation's loop, and on a tiny model whose reward is built to outrank a finished answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny import tiny_model
+from tolerance import assert_same_sample
+
+import jaxsr
+from jaxsr.results import Sample
+from jaxsr.search.speculative_rejection import Book, decide
+
+
+def reference_search(scores: np.ndarray, finished: np.ndarray, rate: float) -> tuple[set, int, list[set]]:
+    """The reference's loop (Zanette-Labs/SpeculativeRejection, `perform_speculative_rejection`) over
+    synthetic rounds: row i scores scores[t, i] at round t and has finished there when finished[t, i].
+    Returns the ids of the final candidates, the chosen id and the generating ids after each decision."""
+    trajectories, finished_trajectories, generating, history = [], [], list(range(scores.shape[1])), []
+    for t in range(len(scores)):
+        current = [(float(scores[t, i]), bool(finished[t, i]), i) for i in generating]
+        previous_finished = [x for x in trajectories if x[1]]
+        finished_trajectories += previous_finished
+        ranked = sorted(previous_finished + current, key=lambda x: x[0], reverse=True)
+        trajectories = ranked[: round((1 - rate) * len(ranked))]  # the reference: int(round(...))
+        generating = [x[2] for x in trajectories if not x[1]]
+        history.append(set(generating))
+        if not generating:
+            break
+    final = trajectories + current + finished_trajectories
+    return {x[2] for x in final}, max(final, key=lambda x: x[0])[2], history
+
+
+def decide_search(scores, finished, rate, min_keep=0):
+    """The same rounds through `decide`, as `_one_prompt` drives it."""
+    book, rows, history = Book(), list(range(scores.shape[1])), []
+    for t in range(len(scores)):
+        samples = [
+            Sample([i], "", score=float(scores[t, i]), finished=bool(finished[t, i]), index=i) for i in rows
+        ]
+        after, continuing, stats = decide(book, samples, rate, min_keep=min_keep)
+        assert stats["pool"] == len(book.carried) + len(samples)
+        history.append({samples[j].index for j in continuing})
+        if not continuing:
+            final = [*book.permanent, *samples]
+            break
+        book, rows = after, sorted(samples[j].index for j in continuing)
+    assert len({s.index for s in final}) == len(final)  # every candidate once
+    return {s.index for s in final}, max(final, key=lambda s: s.score).index, history
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_decisions_match_the_reference_loop(rate):
+    rng = np.random.default_rng(round(rate * 10))
+    for trial in range(40):
+        n, rounds = int(rng.integers(1, 40)), int(rng.integers(1, 8))
+        scores = rng.normal(size=(rounds, n))  # distinct: the order among equals is not at stake
+        finished = rng.random((rounds, n)) < rng.uniform(0, 0.5)
+        finished[-1] = True  # the last round: every row finished or out of tokens
+        assert decide_search(scores, finished, rate) == reference_search(scores, finished, rate), trial
+
+
+def test_a_finished_answer_outranked_later_stays_a_candidate():
+    """Kept at decision 1, outranked at decision 2: it stays in the permanent list (the reference's) and
+    is chosen, though it is no longer ranked."""
+    book, first = Book(), [Sample([0], "", 0.9, True, index=0), Sample([1], "", 0.1, False, index=1)]
+    book, continuing, _ = decide(book, [*first, Sample([2], "", 0.5, False, index=2)], 0.5)
+    assert [s.index for s in book.permanent] == [0] and continuing == [2]
+    book, continuing, stats = decide(book, [Sample([2, 3], "", 1.0, False, index=2)], 0.5)
+    assert stats == {"pool": 2, "kept": 1} and book.carried == () and continuing == [0]
+    assert [s.index for s in book.permanent] == [0]
+
+
+def test_the_keep_count_floor_is_a_switch():
+    """int(round(0.3·1)) = 0: the reference stops every row (min_keep=0); jaxsr's default keeps one."""
+    pool = [Sample([0], "", 0.0, False, index=0)]
+    assert decide(Book(), pool, 0.7, min_keep=0)[1] == []
+    assert decide(Book(), pool, 0.7)[1] == [0]
+
+
+class LengthReward:
+    """A reward of the response's shape, built so that a response finished in the first segment ranks
+    first at decision 1, below every partial response at decision 2, and above all at the end: finished
+    ones score 0.9 (less 0.001 a token, the shortest first), partial ones 0 up to `first_end` tokens (the
+    first round's end), 1 after it and 0 at `max_new_tokens`."""
+
+    name, token_forwards = "length", 0
+
+    def __init__(self, first_end: int, max_new_tokens: int):
+        self.first_end, self.max_new_tokens, self.calls = first_end, max_new_tokens, []
+
+    def score(self, candidates) -> np.ndarray:
+        lengths = np.array([len(t) for t in candidates.token_ids])
+        finished = candidates.num_tokens > lengths
+        partial = np.where((lengths > self.first_end) & (lengths < self.max_new_tokens), 1.0, 0.0)
+        scores = np.where(finished, 0.9 - 0.001 * lengths, partial)
+        self.calls.append(scores)
+        return scores
+
+
+def test_an_early_finished_answer_outranked_by_partials_is_still_chosen():
+    lm = tiny_model(seed=0, eos_token_ids=(5,))
+    reward = LengthReward(first_end=9, max_new_tokens=40)  # 8 cache slots + the token after them
+    kwargs = dict(n=32, max_new_tokens=40, seed=3)
+    r = jaxsr.speculative_rejection(
+        lm, reward, [[1, 2, 3]], rejection_rate=0.5, memory_budget=16 + 32 * 8, min_first_segment=8, **kwargs
+    )[0]
+    first, second = reward.calls[:2]
+    early = np.flatnonzero(first > 0.5)
+    assert len(early) >= 1 and early.size <= r.stats["decisions"][0]["kept"]  # all kept at decision 1
+    # at decision 2 the partial responses (score 1) fill every kept place: the early answers are outranked
+    assert (second == 1.0).sum() >= r.stats["decisions"][1]["kept"]
+    assert r.best is not None and r.best.finished and len(r.best.token_ids) < 9
+    assert r.best is max(r.samples, key=lambda s: s.score)
+    bon = jaxsr.best_of_n(lm, LengthReward(9, 40), [[1, 2, 3]], **kwargs)[0]
+    assert r.best.index == bon.best.index  # Best-of-N's choice too
+    for sample in r.samples:
+        assert_same_sample(sample, bon.samples[sample.index])
