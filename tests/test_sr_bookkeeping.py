@@ -3,14 +3,18 @@ reference implementation's loop, and on a tiny model whose reward is built to ou
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from tiny import tiny_model
 from tolerance import assert_same_sample
 
 import jaxsr
+from jaxsr.ladder import bucket
 from jaxsr.results import Sample
-from jaxsr.search.speculative_rejection import Book, decide
+from jaxsr.rewards import SelfLikelihood
+from jaxsr.search.speculative_rejection import Book, _Plan, decide
 
 
 def reference_search(scores: np.ndarray, finished: np.ndarray, rate: float) -> tuple[set, int, list[set]]:
@@ -117,3 +121,62 @@ def test_an_early_finished_answer_outranked_by_partials_is_still_chosen():
     assert r.best.index == bon.best.index  # Best-of-N's choice too
     for sample in r.samples:
         assert_same_sample(sample, bon.samples[sample.index])
+
+
+def no_eos_decisions(plan: _Plan, room: int, max_new: int, rate: float, min_keep: int, overshoot: int):
+    """The plan's decisions when no response finishes: each round fills its rung's cache (a speculative
+    step may run `overshoot` tokens past it) and the rule keeps round((1-α)·rows). Yields whether the
+    memory can hold the kept rows at the tokens generated, the kept count and the next rung."""
+    rows = plan.ladder[0]
+    while True:
+        assert rows * (plan.capacity(rows) + plan.headroom) <= room  # within the budget
+        generated = min(max_new, plan.capacity(rows) + 1 + overshoot)
+        keep = min(rows, max(min_keep, round((1 - rate) * rows)))
+        if generated == max_new or keep == 0:
+            return
+        rung = plan.next_rung(keep, generated)
+        yield keep * (generated + plan.headroom) <= room, keep, rung
+        if rung is None:
+            return
+        rows = rung
+
+
+@pytest.mark.parametrize("min_keep", [0, 1])
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_the_plan_forces_a_rejection_only_where_the_memory_cannot_hold_the_kept_rows(rate, min_keep):
+    """The next rung is exactly the rule's keep count whenever the memory can hold those rows at the
+    tokens already generated; otherwise fewer rows continue (a forced rejection). That happens with
+    short first segments, long look-ahead overshoots or the last few rows, never at a Best-of-N budget
+    with the default 16-token first segment."""
+    for prompt, budget, max_new, headroom, segment in itertools.product(
+        [16, 64], [144, 528, 1000, 1040, 4112], [40, 128, 256], [0, 4], [8, 16]
+    ):
+        try:
+            plan = _Plan(budget, prompt, max_new, None, rate, segment, headroom)
+        except ValueError:
+            continue
+        for overshoot in {0, max(headroom - 1, 0)}:
+            for fits, keep, rung in no_eos_decisions(
+                plan, budget - prompt, max_new, rate, min_keep, overshoot
+            ):
+                assert rung == keep if fits else rung is None or rung < keep
+    for max_new, n in itertools.product([32, 40, 128, 256, 512], [4, 8, 16]):
+        budget = 16 + n * bucket(max_new)
+        plan = _Plan(budget, 16, max_new, None, rate, 16)
+        assert all(fits for fits, _, _ in no_eos_decisions(plan, budget - 16, max_new, rate, min_keep, 0))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_without_eos_every_kept_row_continues(rate):
+    lm = tiny_model(seed=0)  # no EOS
+    budget = 16 + 4 * 32  # Best-of-4's memory: 8 rows of a 16-token first segment
+    r = jaxsr.speculative_rejection(
+        lm, SelfLikelihood(), [[1, 2, 3]], rejection_rate=rate, max_new_tokens=32, memory_budget=budget
+    )[0]
+    sizes = r.stats["batch_sizes"]
+    assert sizes[0] == 8 and r.stats["forced_rejections"] == 0
+    assert sizes[1:] == [round((1 - rate) * b) for b in sizes[:-1]]  # the rule, every row of it
+    for d, rows in zip(r.stats["decisions"], sizes, strict=False):
+        assert d["pool"] == rows and d["forced"] == 0 and d["rate"] == pytest.approx(1 - d["kept"] / rows)
+    assert max(r.stats["kv_bytes"]) <= budget * lm.kv_slot_bytes
+    assert all(len(s.token_ids) == 32 for s in r.samples)

@@ -4,8 +4,11 @@ Best-of-N that starts as wide as the KV memory budget allows and, whenever the c
 (or every `decision_interval` tokens), scores the partial responses and stops the worst. One prompt
 at a time: its KV is prefilled once and shared by every row. Rows live in one fixed-shape decode
 state; finished and rejected rows are masked, and at each decision point the survivors are gathered
-into the next rung of a static batch ladder B0 > round((1-α)·B0) > … whose row cache gets the length
-the budget allows. Survivors are never re-prefilled.
+into a rung of a static batch ladder B0 > round((1-α)·B0) > … (the rows the keep rule leaves when no
+response has finished; one row less where it would not shrink). A rung's row cache takes every slot
+the budget allows (the first rung's rounded down to a multiple of SLOT_ALIGN), so the rows the rule
+keeps fit the next rung and grow there whenever the memory can hold them; each rung is one compiled
+shape. Survivors are never re-prefilled.
 
 Bookkeeping (the reference implementation's, `decide`): the pool of a decision point is the finished
 responses kept at the previous one plus every row of this round, ranked by reward; the
@@ -18,10 +21,13 @@ effective rejection rate.
 Deviations from the reference implementation (deliberate): survivors keep their exact tokens and
 cache (no re-tokenisation, no truncation to the shortest row) and padding is never attended to.
 At least one pool member is kept (`min_keep=1`) where the reference's int(round(...)) can keep none
-and end the search on partial responses; `min_keep=0` restores that. When the keep rule leaves more
-unfinished rows than a smaller rung can hold (possible when finished responses from earlier rounds
-sit in the pool), the lowest-ranked extra rows are also stopped, since the cache could not grow
-otherwise; `Result.stats["forced_rejections"]` counts them.
+and end the search on partial responses; `min_keep=0` restores that. When the memory cannot hold the
+kept unfinished rows at the tokens they already have (kept finished responses in the pool can leave
+more of them than the rule would of the live rows alone; a short first segment or a decoder's
+look-ahead overshoot can leave too little room to grow), the lowest-ranked are also stopped, down to
+the widest rung that can grow (where none can, the search ends on this round's rows):
+`Result.stats["forced_rejections"]` and each decision's `forced` count them. With no finished
+response and a first segment of at least 16 tokens at a Best-of-N budget this does not happen.
 
 The rows may be decoded by a two-model decoder (`jaxsr.speculative_decoder` etc.): the budget then
 counts positions in both models' caches, each row keeps the decoder's look-ahead headroom (γ+1 slots)
@@ -59,13 +65,12 @@ SLOT_ALIGN = 8  # row-cache lengths are multiples of this, bounding the compiled
 
 
 def batch_ladder(first: int, rejection_rate: float) -> list[int]:
-    """B0, round((1-α)·B0), … down to 1 (stops early when a rung would not shrink, e.g. α=0)."""
+    """B0, round((1-α)·B0), … down to 1: the rows the keep rule leaves when no response has finished.
+    Where the rule would not shrink a rung (small rungs, small α) the next is one row less; α=0 is
+    one rung."""
     rungs = [first]
-    while rungs[-1] > 1:
-        nxt = max(1, round((1 - rejection_rate) * rungs[-1]))
-        if nxt >= rungs[-1]:
-            break
-        rungs.append(nxt)
+    while rungs[-1] > 1 and rejection_rate > 0:
+        rungs.append(min(rungs[-1] - 1, max(1, round((1 - rejection_rate) * rungs[-1]))))
     return rungs
 
 
@@ -143,7 +148,7 @@ class _Plan:
         self.budget, self.prompt_slots, self.headroom = budget, prompt_slots, headroom
         self.max_slots = bucket(max_new_tokens)
         room = budget - prompt_slots
-        # segments are whole multiples of SLOT_ALIGN (see `capacity`): round the minimum up, never down
+        # the first segment is a whole multiple of SLOT_ALIGN (see `capacity`): round the minimum up
         if min_segment > SLOT_ALIGN:
             min_segment = min(-(-min_segment // SLOT_ALIGN) * SLOT_ALIGN, max(self.max_slots, SLOT_ALIGN))
         per_row = min_segment + headroom
@@ -161,11 +166,13 @@ class _Plan:
         self.ladder = batch_ladder(first, rate)
 
     def capacity(self, rows: int) -> int:
-        """Segment slots per row at a rung of `rows` rows (the headroom comes on top)."""
+        """Segment slots per row at a rung of `rows` rows (the headroom comes on top). The first rung's
+        is a multiple of SLOT_ALIGN (fewer compiled shapes across budgets); later rungs take every slot
+        the budget allows, so that rows kept there grow whenever the memory can hold them."""
         room = (self.budget - self.prompt_slots) // rows - self.headroom
-        return min(
-            self.max_slots, max(SLOT_ALIGN, room // SLOT_ALIGN * SLOT_ALIGN) if room >= SLOT_ALIGN else room
-        )
+        if rows == self.ladder[0] and room >= SLOT_ALIGN:
+            room = room // SLOT_ALIGN * SLOT_ALIGN
+        return min(self.max_slots, room)
 
     def next_rung(self, survivors: int, generated: int) -> int | None:
         """Smallest rung ≥ survivors whose cache can grow past `generated`; else the widest that can."""
