@@ -107,9 +107,11 @@ def test_an_early_finished_answer_outranked_by_partials_is_still_chosen():
     lm = tiny_model(seed=0, eos_token_ids=(5,))
     reward = LengthReward(first_end=9, max_new_tokens=40)  # 8 cache slots + the token after them
     kwargs = dict(n=32, max_new_tokens=40, seed=3)
+    budget = 16 + 32 * 8
     r = jaxsr.speculative_rejection(
-        lm, reward, [[1, 2, 3]], rejection_rate=0.5, memory_budget=16 + 32 * 8, min_first_segment=8, **kwargs
+        lm, reward, [[1, 2, 3]], rejection_rate=0.5, memory_budget=budget, min_first_segment=8, **kwargs
     )[0]
+    assert max(r.stats["kv_bytes"]) <= budget * lm.kv_slot_bytes
     first, second = reward.calls[:2]
     early = np.flatnonzero(first > 0.5)
     assert len(early) >= 1 and early.size <= r.stats["decisions"][0]["kept"]  # all kept at decision 1
@@ -180,3 +182,25 @@ def test_without_eos_every_kept_row_continues(rate):
         assert d["pool"] == rows and d["forced"] == 0 and d["rate"] == pytest.approx(1 - d["kept"] / rows)
     assert max(r.stats["kv_bytes"]) <= budget * lm.kv_slot_bytes
     assert all(len(s.token_ids) == 32 for s in r.samples)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3, 0.7])
+def test_with_eos_memory_stays_within_budget_and_samples_are_best_of_n_rows(rate):
+    lm = tiny_model(seed=0, eos_token_ids=(5,))
+    budget, kwargs = 16 + 16 * 8, dict(n=16, max_new_tokens=24, seed=1)
+    r = jaxsr.speculative_rejection(
+        lm,
+        SelfLikelihood(),
+        [[1, 2, 3]],
+        rejection_rate=rate,
+        memory_budget=budget,
+        min_first_segment=8,
+        **kwargs,
+    )[0]
+    assert r.stats["rounds"] >= 2 and any(s.finished for s in r.samples)
+    assert max(r.stats["kv_bytes"]) <= budget * lm.kv_slot_bytes
+    assert r.stats["forced_rejections"] == sum(d["forced"] for d in r.stats["decisions"])
+    bon = jaxsr.best_of_n(lm, SelfLikelihood(), [[1, 2, 3]], **kwargs)[0]
+    for sample in r.samples:
+        assert_same_sample(sample, bon.samples[sample.index])
+    assert r.best is max(r.samples, key=lambda s: s.score)

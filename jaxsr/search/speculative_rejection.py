@@ -61,7 +61,7 @@ from jaxsr.search.memory import budget_slots
 from jaxsr.sharding import mesh_of, on_mesh, padded_rows
 
 Rule = Literal["keep_fraction", "quantile"]
-SLOT_ALIGN = 8  # row-cache lengths are multiples of this, bounding the compiled shapes
+SLOT_ALIGN = 8  # the first rung's row-cache length is a multiple of this (fewer shapes across budgets)
 
 
 def batch_ladder(first: int, rejection_rate: float) -> list[int]:
