@@ -23,25 +23,29 @@ def lm():
     return tiny_model(seed=0, eos_token_ids=(5,))
 
 
-def reference_keep(scores: list[float], rate: float) -> set[int]:
-    """Plain-Python statement of the reference rule: sort by score, descending, first come first."""
-    k = max(1, round((1 - rate) * len(scores)))
+def reference_keep(scores: list[float], rate: float, floor: int) -> set[int]:
+    """Plain-Python statement of the reference rule (sort by score, descending, first come first, keep
+    int(round((1-α)·n))), floored at `floor`: 0 is the reference's count, 1 jaxsr's default."""
+    k = max(floor, round((1 - rate) * len(scores)))
     ranked = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
     return set(ranked[:k])
 
 
+@pytest.mark.parametrize("floor", [0, 1])
 @pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.7, 0.9])
-def test_keep_rule_matches_plain_python(rate):
+def test_keep_rule_matches_plain_python(rate, floor):
     rng = np.random.default_rng(int(rate * 10))
     for size in [1, 2, 3, 5, 7, 10, 33]:
         scores = rng.integers(0, 4, size).astype(float)  # many ties
-        assert set(np.flatnonzero(keep_mask(scores, rate))) == reference_keep(list(scores), rate)
+        kept = keep_mask(scores, rate, min_keep=floor)
+        assert set(np.flatnonzero(kept)) == reference_keep(list(scores), rate, floor)
 
 
 def test_keep_rule_rounds_half_to_even():
     assert keep_mask(np.arange(5.0), 0.5).sum() == 2  # round(2.5) == 2
     assert keep_mask(np.arange(3.0), 0.5).sum() == 2  # round(1.5) == 2
-    assert keep_mask(np.arange(1.0), 0.9).sum() == 1  # never empty
+    assert keep_mask(np.arange(1.0), 0.9).sum() == 1  # jaxsr's floor: never empty
+    assert keep_mask(np.arange(1.0), 0.5, min_keep=0).sum() == 0  # the reference's: round(0.5) == 0
 
 
 def test_quantile_rule_keeps_scores_at_or_above_the_quantile():
@@ -193,6 +197,7 @@ def test_parse_bytes():
         ({"memory_budget": "a lot"}, ValueError, "memory_budget"),
         ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
         ({"rule": "median"}, ValueError, "rule"),
+        ({"min_keep": 2}, ValueError, "min_keep"),
         ({"reward": object()}, TypeError, "reward"),
         ({"prompts": []}, ValueError, "prompts"),
         ({"stop_token_ids": [-1]}, ValueError, "stop_token_ids"),

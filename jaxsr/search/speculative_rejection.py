@@ -4,14 +4,30 @@ Best-of-N that starts as wide as the KV memory budget allows and, whenever the c
 (or every `decision_interval` tokens), scores the partial responses and stops the worst. One prompt
 at a time: its KV is prefilled once and shared by every row. Rows live in one fixed-shape decode
 state; finished and rejected rows are masked, and at each decision point the survivors are gathered
-into the next rung of a static batch ladder B0 > round((1-α)·B0) > … whose row cache gets the length
-the budget allows. Survivors are never re-prefilled.
+into a rung of a static batch ladder B0 > round((1-α)·B0) > … (the rows the keep rule leaves when no
+response has finished; one row less where it would not shrink). A rung's row cache takes every slot
+the budget allows (the first rung's rounded down to a multiple of SLOT_ALIGN), so the rows the rule
+keeps fit the next rung and grow there whenever the memory can hold them; each rung is one compiled
+shape. Survivors are never re-prefilled.
+
+Bookkeeping (the reference implementation's, `decide`): the pool of a decision point is the finished
+responses kept at the previous one plus every row of this round, ranked by reward; the
+round((1-α)·|pool|) best are kept (Python's round, half to even). Kept finished responses join a
+permanent list that is never pruned, kept unfinished rows continue. The answer is the best of the
+permanent list and the last round's rows, which are also `Result.samples`.
+`Result.stats["decisions"]` gives each decision's pool size, keep count, forced rejections and
+effective rejection rate.
 
 Deviations from the reference implementation (deliberate): survivors keep their exact tokens and
 cache (no re-tokenisation, no truncation to the shortest row) and padding is never attended to.
-When the keep rule leaves more unfinished rows than a smaller rung can hold (possible when finished
-responses from earlier rounds sit in the pool), the lowest-ranked extra rows are also stopped, since
-the cache could not grow otherwise; `Result.stats["forced_rejections"]` counts them.
+At least one pool member is kept (`min_keep=1`) where the reference's int(round(...)) can keep none
+and end the search on partial responses; `min_keep=0` restores that. When the memory cannot hold the
+kept unfinished rows at the tokens they already have (kept finished responses in the pool can leave
+more of them than the rule would of the live rows alone; a short first segment or a decoder's
+look-ahead overshoot can leave too little room to grow), the lowest-ranked are also stopped, down to
+the widest rung that can grow (where none can, the search ends on this round's rows):
+`Result.stats["forced_rejections"]` and each decision's `forced` count them. With no finished
+response and a first segment of at least 16 tokens at a Best-of-N budget this does not happen.
 
 The rows may be decoded by a two-model decoder (`jaxsr.speculative_decoder` etc.): the budget then
 counts positions in both models' caches, each row keeps the decoder's look-ahead headroom (γ+1 slots)
@@ -24,7 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,30 +61,32 @@ from jaxsr.search.memory import budget_slots
 from jaxsr.sharding import mesh_of, on_mesh, padded_rows
 
 Rule = Literal["keep_fraction", "quantile"]
-SLOT_ALIGN = 8  # row-cache lengths are multiples of this, bounding the compiled shapes
+SLOT_ALIGN = 8  # the first rung's row-cache length is a multiple of this (fewer shapes across budgets)
 
 
 def batch_ladder(first: int, rejection_rate: float) -> list[int]:
-    """B0, round((1-α)·B0), … down to 1 (stops early when a rung would not shrink, e.g. α=0)."""
+    """B0, round((1-α)·B0), … down to 1: the rows the keep rule leaves when no response has finished.
+    Where the rule would not shrink a rung (small rungs, small α) the next is one row less; α=0 is
+    one rung."""
     rungs = [first]
-    while rungs[-1] > 1:
-        nxt = max(1, round((1 - rejection_rate) * rungs[-1]))
-        if nxt >= rungs[-1]:
-            break
-        rungs.append(nxt)
+    while rungs[-1] > 1 and rejection_rate > 0:
+        rungs.append(min(rungs[-1] - 1, max(1, round((1 - rejection_rate) * rungs[-1]))))
     return rungs
 
 
-def keep_mask(scores: np.ndarray, rejection_rate: float, rule: Rule = "keep_fraction") -> np.ndarray:
+def keep_mask(
+    scores: np.ndarray, rejection_rate: float, rule: Rule = "keep_fraction", min_keep: int = 1
+) -> np.ndarray:
     """Which pool members survive a decision point.
 
     keep_fraction (the reference's rule): the round((1-α)·|pool|) best (Python's round, half to even;
-    ties broken by pool order; at least one). quantile (the paper's rule): scores ≥ the α-quantile."""
+    ties broken by pool order), floored at `min_keep` (1 by default; the reference's is 0). quantile
+    (the paper's rule): scores ≥ the α-quantile (the best always)."""
     kept = np.zeros(len(scores), bool)
     if len(scores) == 0:
         return kept
     if rule == "keep_fraction":
-        k = max(1, round((1 - rejection_rate) * len(scores)))
+        k = min(len(scores), max(min_keep, round((1 - rejection_rate) * len(scores))))
         kept[np.argsort(-scores, kind="stable")[:k]] = True
     elif rule == "quantile":
         kept = scores >= np.quantile(scores, rejection_rate)
@@ -76,6 +94,32 @@ def keep_mask(scores: np.ndarray, rejection_rate: float, rule: Rule = "keep_frac
     else:
         raise ValueError(f"rule: expected 'keep_fraction' or 'quantile', got {rule!r}")
     return kept
+
+
+class Book(NamedTuple):
+    """The reference's bookkeeping of finished responses between decision points."""
+
+    permanent: tuple[Sample, ...] = ()
+    """Every finished response kept at some decision point: never pruned, always a candidate."""
+    carried: tuple[Sample, ...] = ()
+    """The finished responses kept at the last decision point: ranked again at the next one."""
+
+
+def decide(
+    book: Book, round_samples: Sequence[Sample], rate: float, rule: Rule = "keep_fraction", min_keep: int = 1
+) -> tuple[Book, list[int], dict[str, Any]]:
+    """One decision point, as the reference makes it: the pool is `book.carried` plus every row of this
+    round, ranked by score; finished members it keeps join `book.permanent` and are carried to the next
+    pool, unfinished ones continue. Returns the new book, the continuing rows (indices into
+    `round_samples`, best first) and the decision's pool size and keep count."""
+    pool = [*book.carried, *round_samples]
+    kept = keep_mask(np.array([s.score for s in pool], np.float64), rate, rule, min_keep)
+    in_round = kept[len(book.carried) :]
+    carried = tuple(s for s, k in zip(pool, kept, strict=True) if k and s.finished)
+    new = tuple(s for s, k in zip(round_samples, in_round, strict=True) if k and s.finished)
+    order = np.argsort(-np.array([s.score for s in round_samples], np.float64), kind="stable")
+    continuing = [int(j) for j in order if in_round[j] and not round_samples[j].finished]
+    return Book(book.permanent + new, carried), continuing, {"pool": len(pool), "kept": int(kept.sum())}
 
 
 def _check_rate(rejection_rate: Any) -> float:
@@ -104,7 +148,7 @@ class _Plan:
         self.budget, self.prompt_slots, self.headroom = budget, prompt_slots, headroom
         self.max_slots = bucket(max_new_tokens)
         room = budget - prompt_slots
-        # segments are whole multiples of SLOT_ALIGN (see `capacity`): round the minimum up, never down
+        # the first segment is a whole multiple of SLOT_ALIGN (see `capacity`): round the minimum up
         if min_segment > SLOT_ALIGN:
             min_segment = min(-(-min_segment // SLOT_ALIGN) * SLOT_ALIGN, max(self.max_slots, SLOT_ALIGN))
         per_row = min_segment + headroom
@@ -122,11 +166,13 @@ class _Plan:
         self.ladder = batch_ladder(first, rate)
 
     def capacity(self, rows: int) -> int:
-        """Segment slots per row at a rung of `rows` rows (the headroom comes on top)."""
+        """Segment slots per row at a rung of `rows` rows (the headroom comes on top). The first rung's
+        is a multiple of SLOT_ALIGN (fewer compiled shapes across budgets); later rungs take every slot
+        the budget allows, so that rows kept there grow whenever the memory can hold them."""
         room = (self.budget - self.prompt_slots) // rows - self.headroom
-        return min(
-            self.max_slots, max(SLOT_ALIGN, room // SLOT_ALIGN * SLOT_ALIGN) if room >= SLOT_ALIGN else room
-        )
+        if rows == self.ladder[0] and room >= SLOT_ALIGN:
+            room = room // SLOT_ALIGN * SLOT_ALIGN
+        return min(self.max_slots, room)
 
     def next_rung(self, survivors: int, generated: int) -> int | None:
         """Smallest rung ≥ survivors whose cache can grow past `generated`; else the widest that can."""
@@ -150,6 +196,7 @@ def speculative_rejection(
     seed: int = 0,
     decision_interval: int | None = None,
     rule: Rule = "keep_fraction",
+    min_keep: int = 1,
     min_first_segment: int = 16,
     min_prompt_bucket: int = 16,
     chat: bool | None = None,
@@ -158,7 +205,8 @@ def speculative_rejection(
 ) -> list[Result]:
     """Speculative Rejection per prompt; `rejection_rate=0` with a budget that holds all n rows is
     exactly `best_of_n` with the same seed. `model` is a language model or a two-model decoder. See
-    the module docstring for the algorithm.
+    the module docstring for the algorithm. `min_keep` floors each decision's keep count (1; 0 is the
+    reference's count, which can stop every row).
 
     `min_prompt_bucket` pads every prompt to at least that many slots (a power of two), so prompts of
     different lengths share compiled programs (on accelerators, where compiles are costly); the padding
@@ -176,6 +224,8 @@ def speculative_rejection(
         decision_interval = check_positive_int("decision_interval", decision_interval)
     if rule not in ("keep_fraction", "quantile"):
         raise ValueError(f"rule: expected 'keep_fraction' or 'quantile', got {rule!r}")
+    if isinstance(min_keep, bool) or min_keep not in (0, 1):
+        raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {min_keep!r}")
     seed = check_seed(seed)
     encoded = encode_prompts(engine.model, prompts, chat=chat)
     engine.check_context(encoded, max_new_tokens)
@@ -198,6 +248,7 @@ def speculative_rejection(
                 seed,
                 rate,
                 rule,
+                min_keep,
                 decision_interval,
                 stop_token_ids,
                 prompt_offset + i,
@@ -217,6 +268,7 @@ def _one_prompt(
     seed: int,
     rate: float,
     rule: Rule,
+    min_keep: int,
     interval: int | None,
     stop_token_ids: Sequence[int],
     prompt_id: int,
@@ -245,9 +297,9 @@ def _one_prompt(
     state = engine.init_state(
         prefilled, capacity=plan.max_slots, cache_capacity=plan.capacity(rows) + plan.headroom, **first_rows
     )
-    kept_finished: list[Sample] = []  # finished responses that survived their decision point
+    book = Book()
     round_log: list[dict[str, Any]] = []
-    forced = 0
+    decisions: list[dict[str, Any]] = []
     generated = 1
     calls_before = dict.fromkeys(engine.roles, 0)
     while True:
@@ -317,22 +369,18 @@ def _one_prompt(
         ]
         timings["scoring_s"] += time.perf_counter() - t1
         if done[alive].all():  # last round: every row finished or reached max_new_tokens
-            final = kept_finished + round_samples
+            final = [*book.permanent, *round_samples]
             break
-        pool = kept_finished + round_samples
-        kept = keep_mask(np.array([s.score for s in pool]), rate, rule)
-        kept_finished = [s for s, k in zip(pool, kept, strict=True) if k and s.finished]
-        in_round = kept[len(pool) - len(round_samples) :]
-        order = np.argsort(-scores, kind="stable")
-        survivors = [int(live_rows[j]) for j in order if in_round[j] and not finished[live_rows[j]]]
-        rung = plan.next_rung(len(survivors), generated)
-        if rung is None or not survivors:  # memory cannot hold any row further: stop here
-            final = kept_finished + [
-                s for s, k in zip(round_samples, in_round, strict=True) if k and not s.finished
-            ]
+        after, continuing, decision = decide(book, round_samples, rate, rule, min_keep)
+        rung = plan.next_rung(len(continuing), generated) if continuing else None
+        decision["forced"] = len(continuing) - (0 if rung is None else min(rung, len(continuing)))
+        decision["rate"] = 1 - (decision["kept"] - decision["forced"]) / decision["pool"]
+        decisions.append({"token": generated, **decision})
+        if rung is None:  # nothing continues (or memory cannot hold a row further): stop here
+            final = [*book.permanent, *round_samples]
             break
-        forced += max(0, len(survivors) - rung)
-        survivors = sorted(survivors[:rung])
+        book = after
+        survivors = sorted(int(live_rows[j]) for j in continuing[:rung])
         t2 = time.perf_counter()
         index = np.array(survivors + [survivors[0]] * (padded(rung) - len(survivors)), np.int32)
         alive_next = np.arange(padded(rung)) < len(survivors)
@@ -354,6 +402,7 @@ def _one_prompt(
         "round_log": round_log,
         "initial_batch": plan.ladder[0],
         "memory_budget_slots": plan.budget,
-        "forced_rejections": forced,
+        "decisions": decisions,
+        "forced_rejections": sum(d["forced"] for d in decisions),
     }
     return Result(prompt=prompt, samples=final, best=best(final), stats=stats)
