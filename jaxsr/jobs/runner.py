@@ -74,14 +74,8 @@ class JsonlOutput:
         lines = complete.decode(errors="replace").splitlines()
         legacy = self._legacy_header(lines[0]) if lines else None
         if legacy is not None:  # written before job files existed: the job was named on line 1
-            owner, lines = legacy, lines[1:]
-        elif self.job_path.exists():
-            try:
-                owner = json.loads(self.job_path.read_text()).get("jaxsr_job")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-                owner = None
-        else:
-            owner = None
+            lines = lines[1:]
+        owner = legacy if legacy is not None else self._named_job()
         if owner != self.fingerprint:
             whose = f"job {owner}" if owner else f"no job named in {self.job_path.name}: not a jaxsr output"
             raise ValueError(
@@ -101,6 +95,13 @@ class JsonlOutput:
         elif len(complete) < len(raw):  # a record torn by a kill: drop it, it is redone
             with self.path.open("r+b") as f:
                 f.truncate(len(complete))
+
+    def _named_job(self) -> str | None:
+        """The fingerprint in the job file beside the output (None when absent or unreadable)."""
+        try:
+            return json.loads(self.job_path.read_text()).get("jaxsr_job")
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            return None
 
     @staticmethod
     def _legacy_header(line: str) -> str | None:
@@ -133,9 +134,10 @@ class JsonlOutput:
 
     def replace_with(self, records: dict[int, str]) -> None:
         """Atomically (and durably) make the file `records` in prompt order."""
+        ordered = [records[i] for i in sorted(records)]
         self._write_job_file()
-        _write_durably(self.path, "".join(records[i] + "\n" for i in sorted(records)).encode())
-        self._records = [records[i] for i in sorted(records)]
+        _write_durably(self.path, "".join(line + "\n" for line in ordered).encode())
+        self._records = ordered
         self.done = set(records)
 
     def remove(self) -> None:
