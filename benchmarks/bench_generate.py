@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import jaxsr
 from benchmarks.common import table, write_result
-from jaxsr.decoding.prompts import encode_prompts
+from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.loading.gguf import smollm2_path
 
 PROMPT = "What are three tips for staying healthy?"

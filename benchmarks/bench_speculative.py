@@ -17,7 +17,7 @@ decoding), tokens/s = generated tokens / decode time (`stats["decode_s"]`, compi
 for SD/SCD the acceptance λ (accepted / tested draft tokens over all prompts), tokens per target call,
 the measured cost ratios c (draft call / 1-token target call) and v (verify call / 1-token target call),
 the per-row prediction b·(1−λ^{γ+1}) / ((1−λ)(v + cγ + cλ^γ)) (`predicted_row`; b = 1 against
-expert-only for SD, 1 + c against CD for SCD; `jaxsr.decoding.pair.expected_speedup`), the prediction
+expert-only for SD, 1 + c against CD for SCD; `jaxsr.decoding.cost.expected_speedup`), the prediction
 for the batches as decoded (`predicted`: each batch's loop runs until its slowest row is done, every
 row at its own measured λ; `pair.expected_batch_speedup`; the 15% check uses it) and the measured
 speedup (tokens/s over expert-only for SD, over CD for SCD, at the same batch). A γ sweep at
@@ -43,8 +43,8 @@ from tqdm import tqdm
 
 import jaxsr
 from benchmarks.common import RESULTS, table, write_result
-from jaxsr.decoding.pair import expected_batch_speedup, expected_speedup
-from jaxsr.decoding.prompts import encode_prompts
+from jaxsr.decoding.cost import expected_batch_speedup, expected_speedup
+from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.jobs.runner import read_prompts
 from jaxsr.ladder import bucket
 from jaxsr.loading.gguf import smollm2_path
@@ -79,9 +79,9 @@ def call(
     if method == "CD":
         return jaxsr.contrastive_decode(lm, draft, prompts, alpha=ALPHA, beta=BETA, **common)
     if method == "SD":
-        return jaxsr.speculative_decode(lm, draft, prompts, gamma=gamma, **common)
+        return jaxsr.speculative_decode(lm, draft, prompts, gamma=gamma, measure_cost=True, **common)
     return jaxsr.speculative_contrastive_decode(
-        lm, draft, prompts, gamma=gamma, alpha=ALPHA, beta=BETA, **common
+        lm, draft, prompts, gamma=gamma, alpha=ALPHA, beta=BETA, measure_cost=True, **common
     )
 
 

@@ -29,7 +29,7 @@ import scipy.stats
 
 import jaxsr
 from benchmarks.common import RESULTS, table, write_result
-from jaxsr.decoding.prompts import encode_prompts
+from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.jobs.methods import resolve_reward
 from jaxsr.jobs.runner import read_prompts
 from jaxsr.ladder import bucket

@@ -2,16 +2,16 @@
 contrastive decoding)."""
 
 from jaxsr import sharding
-from jaxsr.decoding.decoders import (
-    PairDecoder,
+from jaxsr.decoding.api import (
     contrastive_decode,
     contrastive_decoder,
+    generate,
     speculative_contrastive_decode,
     speculative_contrastive_decoder,
     speculative_decode,
     speculative_decoder,
 )
-from jaxsr.decoding.generate import generate
+from jaxsr.decoding.driver import Decoder
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.loading.api import load_model, load_reward_model, save_model
 from jaxsr.loading.encoder import load_encoder
@@ -21,7 +21,11 @@ from jaxsr.results import Result, Sample
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.speculative_rejection import speculative_rejection
 
+PairDecoder = Decoder
+"""The name earlier releases gave a two-model `Decoder`."""
+
 __all__ = [
+    "Decoder",
     "EncoderModel",
     "Model",
     "PairDecoder",

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 import jaxsr
 from jaxsr.data import read_prompts
-from jaxsr.decoding.prompts import encode_prompts
+from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.loading.gguf import smollm2_path
 from jaxsr.loading.safetensors import read_safetensors, write_safetensors
 from jaxsr.models.config import DecoderConfig

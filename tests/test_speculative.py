@@ -15,13 +15,12 @@ from compiles import compilations
 from tiny import tiny_model
 
 import jaxsr
-from jaxsr.decoding import pair, sampler
-from jaxsr.decoding.contrastive import contrastive_scores, make_contrast
-from jaxsr.decoding.decoders import contrastive_decode, speculative_contrastive_decode, speculative_decode
-from jaxsr.decoding.prompts import left_pad
+from jaxsr.text import left_pad
+from jaxsr.decoding import cost, loop
+from jaxsr.decoding.api import contrastive_decode, speculative_contrastive_decode, speculative_decode
+from jaxsr.decoding.contrast import contrastive_scores, make_contrast
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import (
-    SpeculativeDecoding,
     accept,
     accepted_count,
     next_distribution,
@@ -172,9 +171,13 @@ def test_stop_ids_end_a_row_inside_an_accepted_draft(target, draft):
 
 
 def test_statistics_count_the_work_and_predict_the_speedup(target, draft):
+    plain = speculative_decode(target, draft, PROMPTS[:2], gamma=3, max_new_tokens=12, sampling=GREEDY)
+    for key in ("cost_ratio", "verify_cost_ratio", "expected_speedup", "speedup"):  # probes are opt-in
+        assert plain[0].stats.get(key) is None, key
     out = speculative_decode(
-        target, draft, PROMPTS[:2], gamma=3, max_new_tokens=12, sampling=GREEDY, baseline=True
-    )
+        target, draft, PROMPTS[:2], gamma=3, max_new_tokens=12, sampling=GREEDY, baseline=True,
+        measure_cost=True,
+    )  # fmt: skip
     st = out[0].stats
     for key in ("wall_s", "decode_s", "acceptance_rate", "tokens_per_target_call", "cost_ratio",
                 "verify_cost_ratio", "expected_speedup", "speedup", "baseline_decode_s"):  # fmt: skip
@@ -189,14 +192,14 @@ def test_statistics_count_the_work_and_predict_the_speedup(target, draft):
     assert st["accepted_tokens"] + st["target_calls"] >= produced  # budget cuts the last call short
     lam, c, v = st["acceptance_rate"], st["cost_ratio"], st["verify_cost_ratio"]
     assert st["expected_speedup"] == pytest.approx((1 - lam**4) / ((1 - lam) * (v + 3 * c + c * lam**3)))
-    assert pair.expected_speedup(1.0, 3, 0.0) == 4.0
+    assert cost.expected_speedup(1.0, 3, 0.0) == 4.0
     # Leviathan et al.: λ = 0.8, γ = 4, c = 0.1 → (1 − 0.8⁵) / (0.2 · (1 + 0.4 + 0.1·0.8⁴)) ≈ 2.30 (v = 1);
     # against contrastive decoding (1 + c per token) the same step gains 10% more
-    assert pair.expected_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * (1.4 + 0.1 * 0.8**4)))
-    assert pair.expected_speedup(0.8, 4, 0.1, 1.0, 1.1) == pytest.approx(
-        1.1 * pair.expected_speedup(0.8, 4, 0.1)
+    assert cost.expected_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * (1.4 + 0.1 * 0.8**4)))
+    assert cost.expected_speedup(0.8, 4, 0.1, 1.0, 1.1) == pytest.approx(
+        1.1 * cost.expected_speedup(0.8, 4, 0.1)
     )
-    assert pair.expected_speedup(0.5, 2, 0.2, 2.0) < pair.expected_speedup(0.5, 2, 0.2)
+    assert cost.expected_speedup(0.5, 2, 0.2, 2.0) < cost.expected_speedup(0.5, 2, 0.2)
 
 
 def simulated_steps(lams: list[float], gamma: int, tokens: int, trials: int, rng) -> np.ndarray:
@@ -221,25 +224,25 @@ def test_batch_prediction_matches_simulated_steps_of_the_slowest_row(lams, gamma
     c, v = 0.1, 1.2
     any_full = 1 - np.prod([1 - lam**gamma for lam in lams])
     predicted_steps = tokens / (
-        pair.expected_batch_speedup(lams, gamma, tokens, c, v) * (c * gamma + v + c * any_full)
+        cost.expected_batch_speedup(lams, gamma, tokens, c, v) * (c * gamma + v + c * any_full)
     )
     assert predicted_steps == pytest.approx(steps.mean(), abs=4 * steps.std() / np.sqrt(steps.size))
 
 
 def test_batch_prediction_limits():
     # one row, long output: the per-row formula; all accepted: exactly γ+1 tokens per step
-    assert pair.expected_batch_speedup([0.6], 4, 5000, 0.1, 1.3) == pytest.approx(
-        pair.expected_speedup(0.6, 4, 0.1, 1.3), rel=2e-3
+    assert cost.expected_batch_speedup([0.6], 4, 5000, 0.1, 1.3) == pytest.approx(
+        cost.expected_speedup(0.6, 4, 0.1, 1.3), rel=2e-3
     )
-    assert pair.expected_batch_speedup([1.0] * 3, 3, 100, 0.0) == 4.0
-    assert pair.expected_batch_speedup([0.0], 3, 100, 0.1, 1.0, 1.1) == pytest.approx(1.1 / 1.3)
+    assert cost.expected_batch_speedup([1.0] * 3, 3, 100, 0.0) == 4.0
+    assert cost.expected_batch_speedup([0.0], 3, 100, 0.1, 1.0, 1.1) == pytest.approx(1.1 / 1.3)
     # waiting for the slowest row costs: more rows, lower expected speed-up
-    one, eight = (pair.expected_batch_speedup([0.5] * n, 4, 127, 0.1) for n in (1, 8))
+    one, eight = (cost.expected_batch_speedup([0.5] * n, 4, 127, 0.1) for n in (1, 8))
     assert eight < 0.95 * one
 
 
 def test_a_second_call_in_the_same_buckets_compiles_nothing(target, draft):
-    kwargs = dict(gamma=3, sampling=GREEDY, measure_cost=False)
+    kwargs = dict(gamma=3, sampling=GREEDY)
     ours = {"prefill", "init_state", "decode_loop"}
     speculative_decode(target, draft, PROMPTS[:2], max_new_tokens=12, **kwargs)
     with compilations() as compiled:
@@ -259,31 +262,27 @@ def test_pausing_and_compacting_do_not_change_the_tokens(target, draft):
     """Decode to a pause point, gather rows into another order with one masked, finish: the survivors'
     tokens equal those of an uninterrupted run (what Speculative Rejection over SCD relies on). The
     shapes are those `speculative_decode` uses for 3 prompts × 2 samples, so nothing new compiles."""
-    m, c = SpeculativeDecoding(SAMPLING, gamma=3), make_contrast(0.1, 0.5)
+    decoder = jaxsr.speculative_contrastive_decoder(target, draft, gamma=3).with_sampling(SAMPLING)
     tokens, mask = map(jnp.asarray, left_pad(PROMPTS, 4, 16))
-    t_logits, t_prompt = sampler.prefill(target.graph, target.params, tokens, mask)
-    d_logits, d_prompt = sampler.prefill(draft.graph, draft.params, tokens, mask)
-    graphs, params, prompts = (target.graph, draft.graph), (target.params, draft.params), (t_prompt, d_prompt)
+    prefilled = decoder.prefill(tokens, mask)
 
     def run(pause_at, state=None):
         if state is None:
-            state = pair.init_state(
-                t_logits, d_logits, prompts, c, method=m, samples_per_prompt=2, capacity=16,
+            state = decoder.init_state(
+                prefilled, samples_per_prompt=2, capacity=16,
                 cache_capacity=20, seed=np.uint32(0), prompt_ids=jnp.arange(4, dtype=jnp.int32),
                 sample_ids=jnp.tile(jnp.arange(2), 4), alive=jnp.ones(8, bool),
                 max_new_tokens=jnp.full(8, 16, jnp.int32), stop_ids=jnp.full((8, 1), -1, jnp.int32),
             )  # fmt: skip
-        return pair.decode_loop(graphs, params, state, prompts, c, method=m, pause_at=jnp.int32(pause_at))
+        return decoder.decode_loop(state, prefilled[1], jnp.int32(pause_at))
 
-    full = jax.device_get(run(pair.NO_PAUSE).base)
+    full = jax.device_get(run(loop.NO_PAUSE))
     paused = run(6)
-    n = np.asarray(paused.base.num_generated)
+    n = np.asarray(paused.num_generated)
     assert (n >= 6).all() and (n <= 6 + 3).all() and (n < 16).any()
     keep = np.array([1, 0, 3, 2, 5, 4, 7, 6])  # rows stay in their prompt's group of 2
     alive = keep != 0
-    small = jax.device_get(
-        run(pair.NO_PAUSE, pair.compact(paused, keep, jnp.asarray(alive), cache_capacity=20)).base
-    )
+    small = jax.device_get(run(loop.NO_PAUSE, decoder.compact(paused, keep, jnp.asarray(alive), 20)))
     np.testing.assert_array_equal(small.tokens[alive], full.tokens[keep[alive]])
     assert small.num_generated[~alive] == n[0]  # the masked row froze
 

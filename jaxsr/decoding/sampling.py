@@ -1,4 +1,8 @@
-"""Sampling configuration, the float32 logits processors (temperature → top-k → top-p) and the draws."""
+"""How a token is drawn: the sampling configuration, the float32 logits processors (temperature →
+top-k → top-p), per-row random streams, and the draws.
+
+Randomness: row b's token at generated index t uses the key fold_in(seed, prompt_id, sample_id, t), so
+the same seed gives the same tokens however prompts and samples are batched or bucketed."""
 
 from __future__ import annotations
 
@@ -134,3 +138,28 @@ def _last_positive_clamp(index: jax.Array, weights: jax.Array) -> jax.Array:
     """`index`, or the last position of positive weight where rounding pushed it past that."""
     last = jnp.max(jnp.where(weights > 0, jnp.arange(weights.shape[0]), 0))
     return jnp.minimum(index, last)
+
+
+def probabilities(scores: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """The sampling distribution [..., V] (float32) of raw scores: softmax of the processed scores,
+    or the one-hot argmax when greedy. Speculative steps sample and test with exactly these."""
+    if sampling.greedy:
+        return jax.nn.one_hot(jnp.argmax(scores, axis=-1), scores.shape[-1], dtype=jnp.float32)
+    return jax.nn.softmax(process_logits(scores, sampling), axis=-1)
+
+
+def row_keys(seed: jax.Array, prompt_id: jax.Array, sample_id: jax.Array, index: jax.Array) -> jax.Array:
+    """Per-row PRNG keys that depend only on (seed, prompt, sample, token index)."""
+
+    def one(p, s, t):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), p)
+        return jax.random.fold_in(jax.random.fold_in(key, s), t)
+
+    return jax.vmap(one)(prompt_id, sample_id, index)
+
+
+def token_logprob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Raw log-probability of `tokens` [...] under `logits` [..., V], in float32."""
+    logits = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    return chosen - jax.nn.logsumexp(logits, axis=-1)

@@ -15,7 +15,7 @@ One step, for every active row at once (n = the row's committed tokens, x_{n-1} 
 4. Rows that accepted all γ need d_{γ-1} in the draft cache (and SCD needs the amateur's logits after
    it): one extra draft call runs, under `lax.cond`, only when some row accepted everything — the cλ^γ
    term of the expected speed-up.
-5. Commit the a+1 tokens through the plain sampler's `_record` (stop ids and the token budget cut
+5. Commit the a+1 tokens through `state.record` (stop ids and the token budget cut
    them short), then set both caches' `length` to n'-1: rejected look-ahead is rolled back by pointer.
 
 Greedy (temperature 0) uses one-hot distributions: a draft token is accepted iff it is the target's
@@ -29,16 +29,15 @@ Randomness of a step comes from `row_keys(seed, prompt, sample, n)`, so a row's 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from jaxsr.decoding import pair
-from jaxsr.decoding.pair import Contrast, Method, SpeculativeState, contrastive_scores, probabilities
-from jaxsr.decoding.sampler import _record, row_keys
-from jaxsr.decoding.sampling import draw_from
-from jaxsr.models.cache import PromptCache
+from jaxsr.decoding.contrast import Contrast, contrastive_scores
+from jaxsr.decoding.sampling import draw_from, probabilities, token_logprob
+from jaxsr.decoding.state import record
+from jaxsr.decoding.steps import ContrastiveDecoding, Method, Sampling, forward, keys_of
 
 # -- the acceptance rule, as pure functions of distributions -----------------------------------------
 
@@ -72,88 +71,95 @@ def next_distribution(p: jax.Array, q: jax.Array, p_bonus: jax.Array, a: jax.Arr
     return jnp.where((a < g)[:, None], residual(p_a, q_a), p_bonus)
 
 
-# -- the step ----------------------------------------------------------------------------------------
+# -- the steps --------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeDecoding(Method):
-    """γ draft tokens per target call, for a target that is the contrastive distribution of (target
-    logits, draft logits) under `Contrast` weights (speculative contrastive decoding). Plain speculative
-    decoding is the special case `Contrast.unused()` (weights (1, 0), no cutoff): the scores are then
-    the target's log-softmax, which samples, filters and argmaxes exactly as its logits do. Both
-    share one compiled program per (γ, sampling, shapes)."""
+    """Speculative decoding: samples exactly from the target, the draft proposing γ tokens per target
+    call. `SpeculativeContrastiveDecoding` runs the same step with the contrastive distribution as
+    its target."""
 
     gamma: int = 4
+    num_models: ClassVar[int] = 2
+    roles: ClassVar[tuple[str, ...]] = ("generator", "draft")
 
     @property
     def headroom(self) -> int:
         return self.gamma + 1
 
     @property
-    def target_positions(self) -> int:
-        return self.gamma + 1
+    def baseline(self) -> Method:
+        return Sampling(self.sampling)
 
-    def step(
-        self,
-        graphs: pair.Graphs,
-        params: tuple[nnx.State, nnx.State],
-        state: SpeculativeState,
-        prompts: tuple[PromptCache, PromptCache],
-        contrast: Contrast,
-        pause_at: jax.Array | int,
-    ) -> SpeculativeState:
-        g, sampling, base = self.gamma, self.sampling, state.base
-        B = base.tokens.shape[0]
-        active = ~base.done & (base.num_generated < pause_at)
-        index, last = pair.last_tokens(state)
-        keys = row_keys(base.seed, base.prompt_id, base.sample_id, base.num_generated)
-        keys = jax.vmap(lambda k: jax.random.split(k, 2 * g + 1))(keys)
+    def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
+        # the target's log-softmax: it samples, filters and argmaxes exactly as its logits do
+        return jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
+
+    def step(self, graphs, params, state, prompts, contrast, pause_at):
+        g, sampling = self.gamma, self.sampling
+        B = state.tokens.shape[0]
+        active = state.active(pause_at)
+        index, last = state.last_tokens()
+        target_rows, draft_rows = state.rows
+        keys = jax.vmap(lambda k: jax.random.split(k, 2 * g + 1))(keys_of(state))
         draft_keys, test_keys, final_keys = keys[:, :g], keys[:, g : 2 * g], keys[:, 2 * g]
 
         def draft_one(carry, j):
             rows, token = carry
-            z, rows = pair.forward(
-                graphs[1], params[1], token[:, None], (index + j)[:, None], prompts[1], rows
-            )
+            z, rows = forward(graphs[1], params[1], token[:, None], (index + j)[:, None], prompts[1], rows)
             q = probabilities(z[:, 0], sampling)
             d = jax.vmap(draw_from)(draft_keys[:, j], q)
             return (rows, d), (d, q, z[:, 0])
 
-        (draft_rows, _), (drafts, q, z_a) = jax.lax.scan(draft_one, (state.draft_rows, last), jnp.arange(g))
+        (draft_rows, _), (drafts, q, z_a) = jax.lax.scan(draft_one, (draft_rows, last), jnp.arange(g))
         drafts, q = drafts.T, q.transpose(1, 0, 2)
 
         fed = jnp.concatenate([last[:, None], drafts], axis=1)
         fed_index = index[:, None] + jnp.arange(g + 1)
-        z_e, target_rows = pair.forward(graphs[0], params[0], fed, fed_index, prompts[0], base.rows)
-        head = contrastive_scores(z_e[:, :g], z_a.transpose(1, 0, 2), contrast)
-        p = probabilities(head, sampling)
+        z_e, target_rows = forward(graphs[0], params[0], fed, fed_index, prompts[0], target_rows)
+        p = probabilities(self.scores((z_e[:, :g], z_a.transpose(1, 0, 2)), contrast), sampling)
         u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(test_keys)
         a = accepted_count(p, q, drafts, u)
         kept_all = active & (a == g)
 
         def extra_draft_call(rows):
-            z, rows = pair.forward(
-                graphs[1], params[1], drafts[:, -1:], (index + g)[:, None], prompts[1], rows
-            )
+            z, rows = forward(graphs[1], params[1], drafts[:, -1:], (index + g)[:, None], prompts[1], rows)
             return rows, z[:, 0]
 
         def no_call(rows):
             return rows, jnp.zeros_like(z_e[:, g])
 
         draft_rows, z_a_bonus = jax.lax.cond(kept_all.any(), extra_draft_call, no_call, draft_rows)
-        p_bonus = probabilities(contrastive_scores(z_e[:, g], z_a_bonus, contrast), sampling)
+        p_bonus = probabilities(self.scores((z_e[:, g], z_a_bonus), contrast), sampling)
         token = jax.vmap(draw_from)(final_keys, next_distribution(p, q, p_bonus, a))
 
         padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
         new = jnp.where(jnp.arange(g + 1)[None, :] == a[:, None], token[:, None], padded)
-        logp = pair.token_logprob(z_e, new)
-        committed = base.replace(rows=target_rows)
+        logp = token_logprob(z_e, new)
+        committed = state
         for j in range(g + 1):
-            committed = _record(committed, new[:, j], logp[:, j], active & (j <= a) & ~committed.done)
-        state = pair.with_lengths(state, committed.replace(steps=committed.steps + 1), draft_rows)
-        return state.replace(
-            draft_steps=state.draft_steps + g + kept_all.any(),
-            target_calls=state.target_calls + active,
-            accepted=state.accepted + jnp.where(active, a, 0),
-            tested=state.tested + jnp.where(active, jnp.minimum(a + 1, g), 0),
+            committed = record(committed, new[:, j], logp[:, j], active & (j <= a) & ~committed.done)
+        committed = committed.with_rows((target_rows, draft_rows))
+        return committed.replace(
+            steps=committed.steps + 1,
+            forwards=committed.forwards + jnp.stack([jnp.int32(g + 1), g + kept_all.any().astype(jnp.int32)]),
+            target_calls=committed.target_calls + active,
+            accepted=committed.accepted + jnp.where(active, a, 0),
+            tested=committed.tested + jnp.where(active, jnp.minimum(a + 1, g), 0),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeContrastiveDecoding(SpeculativeDecoding):
+    """Speculative contrastive decoding: exactly contrastive decoding's distribution, the amateur
+    drafting γ tokens per expert call (it is both the draft and the contrast)."""
+
+    roles: ClassVar[tuple[str, ...]] = ("expert", "amateur")
+
+    @property
+    def baseline(self) -> Method:
+        return ContrastiveDecoding(self.sampling)
+
+    def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
+        return contrastive_scores(logits[0], logits[1], contrast)

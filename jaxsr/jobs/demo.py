@@ -28,9 +28,9 @@ from jax import monitoring
 from tqdm.auto import tqdm
 
 from jaxsr.data import read_prompts
-from jaxsr.decoding.decoders import contrastive_decode, speculative_contrastive_decode
-from jaxsr.decoding.generate import check_seed
-from jaxsr.decoding.prompts import check_positive_int, encode_prompts
+from jaxsr.checks import check_positive_int, check_seed
+from jaxsr.decoding.api import contrastive_decode, speculative_contrastive_decode
+from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.methods import resolve_model, resolve_reward
 from jaxsr.ladder import bucket
@@ -133,7 +133,7 @@ def run_demo(
         bar.update()
         bar.set_description(f"#{index} SCD")
         pairs["SCD"] += speculative_contrastive_decode(
-            lm, amateur, [prompt], gamma=gamma, measure_cost=False, **run
+            lm, amateur, [prompt], gamma=gamma, **run
         )
         bar.update()
     bar.close()

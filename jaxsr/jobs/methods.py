@@ -8,16 +8,17 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jaxsr.decoding.decoders import (
+from jaxsr.checks import check_positive_int
+from jaxsr.decoding.api import (
     contrastive_decode,
     contrastive_decoder,
+    generate,
     speculative_contrastive_decode,
     speculative_contrastive_decoder,
     speculative_decode,
     speculative_decoder,
 )
-from jaxsr.decoding.generate import DEFAULT_MAX_ROWS, generate
-from jaxsr.decoding.prompts import check_positive_int
+from jaxsr.decoding.driver import DEFAULT_MAX_ROWS
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.loading.api import load_model, load_reward_model

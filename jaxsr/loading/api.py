@@ -26,7 +26,7 @@ from jaxsr.sharding import check_mesh
 DTYPES = ("float32", "bfloat16")
 
 
-def _check_dtype(dtype: str) -> str:
+def check_dtype(dtype: str) -> str:
     if str(dtype) not in DTYPES:
         raise ValueError(f"dtype: expected one of {DTYPES}, got {dtype!r}")
     return str(dtype)
@@ -101,7 +101,7 @@ def _restore_cached(
 
 
 def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | None, cache: bool) -> Model:
-    dtype = _check_dtype(dtype)
+    dtype = check_dtype(dtype)
     check_mesh(mesh)
     path = resolve_source(source, revision)
     is_gguf = path.is_file() and path.suffix == ".gguf"

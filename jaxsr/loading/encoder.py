@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxsr.loading.api import _check_dtype, load_tokenizer, resolve_source
+from jaxsr.loading.api import check_dtype, load_tokenizer, resolve_source
 from jaxsr.loading.params import place_params
 from jaxsr.loading.safetensors import CheckpointError, SafetensorsCheckpoint
 from jaxsr.loading.weights import Rule, Transform
@@ -187,7 +187,7 @@ def load_encoder(
     source: str | Path, *, dtype: str = "float32", mesh: Mesh | None = None, revision: str | None = None
 ) -> EncoderModel:
     """Load a BERT encoder (e.g. `load_encoder(minilm_path())`) with its tokenizer."""
-    dtype = _check_dtype(dtype)
+    dtype = check_dtype(dtype)
     check_mesh(mesh)
     path = resolve_source(source, revision)
     if not path.is_dir():

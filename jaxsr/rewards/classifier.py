@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsr.decoding.prompts import left_pad
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model, RewardModel
 from jaxsr.rewards.base import Candidates
 from jaxsr.sharding import place_rows
+from jaxsr.text import encode, has_chat_template, left_pad, render_chat, same_vocabulary
 
 TokenScorer = Callable[[jax.Array, jax.Array], jax.Array]
 """(response ids [B, N], response lengths [B]) → scores [B], on device."""
@@ -61,11 +61,11 @@ class ClassifierReward:
     def conversation(self, prompt: str, response: str) -> str | None:
         """[user: prompt, assistant: response] in the reward model's chat template (None without one)."""
         tokenizer = self.model.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_chat_template(tokenizer):
             return None
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
         try:
-            return tokenizer.apply_chat_template(messages, tokenize=False)
+            return render_chat(tokenizer, messages, add_generation_prompt=False)
         except Exception as e:
             raise ValueError(f"reward: the reward model's chat template cannot render the prompt: {e}") from e
 
@@ -73,9 +73,9 @@ class ClassifierReward:
         tokenizer = self.model.tokenizer
         text = self.conversation(prompt, response)
         if text is not None:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = encode(tokenizer, text, special_tokens=False)
         else:
-            ids = tokenizer(prompt + "\n" + response)["input_ids"]
+            ids = encode(tokenizer, prompt + "\n" + response)
         context = self.model.config.context
         return ids[-context:] if len(ids) > context else ids
 
@@ -85,15 +85,14 @@ class ClassifierReward:
         devices than the decode buffer (another mesh), or the longest rendered response would exceed
         its context (the text path then truncates)."""
         tokenizer = self.model.tokenizer
-        if generator.tokenizer is None or generator.tokenizer.get_vocab() != tokenizer.get_vocab():
+        if not same_vocabulary(generator.tokenizer, tokenizer):
             return None
         if self.model.mesh != generator.mesh:
             return None
         before, found, after = (self.conversation(prompt, _RESPONSE) or "").partition(_RESPONSE)
         if not found:
             return None
-        encode = lambda part: tokenizer(part, add_special_tokens=False)["input_ids"]
-        prefix, suffix = encode(before), encode(after)
+        prefix, suffix = (encode(tokenizer, part, special_tokens=False) for part in (before, after))
         prefix_slots = bucket(len(prefix))
         width = bucket(prefix_slots + bucket(max_new_tokens) + len(suffix))
         if width > self.model.config.context or not suffix:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxsr import text
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Sample
@@ -13,15 +14,7 @@ from jaxsr.rewards.classifier import TokenScorer
 
 def prompt_text(model: Model, prompt: str | list[int]) -> str:
     """The prompt as the reward's user turn: the text itself, or token ids decoded."""
-    if isinstance(prompt, str):
-        return prompt
-    return model.tokenizer.decode(prompt, skip_special_tokens=True) if model.tokenizer else ""
-
-
-def decode_texts(model: Model, token_lists: list[list[int]]) -> list[str]:
-    if model.tokenizer is None:
-        return ["" for _ in token_lists]
-    return model.tokenizer.batch_decode(token_lists, skip_special_tokens=True)
+    return prompt if isinstance(prompt, str) else text.decode(model.tokenizer, prompt)
 
 
 def token_scorer(
@@ -54,7 +47,7 @@ def score_rows(
     scores: np.ndarray | None = None,
 ) -> tuple[np.ndarray, list[str]]:
     """Reward of each (partial) response (unless already scored on device), and the decoded texts."""
-    texts = decode_texts(model, token_lists)
+    texts = text.decode_batch(model.tokenizer, token_lists)
     if scores is not None:
         return np.asarray(scores, np.float64), texts
     candidates = Candidates(

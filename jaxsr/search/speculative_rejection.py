@@ -37,20 +37,20 @@ partial response is scored as it stands).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
-from functools import partial
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from jaxsr.decoding.decoders import Engine, PairDecoder, as_engine
-from jaxsr.decoding.generate import check_row_ids, check_sampling, check_seed, row_inputs
-from jaxsr.decoding.prompts import check_positive_int, encode_prompts, left_pad
+from jaxsr.checks import check_positive_int
+from jaxsr.decoding.driver import Decoder, as_decoder, raw_samples, row_inputs
+from jaxsr.decoding.inputs import Request, check_sampling, prepare
 from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.decoding.state import DecodeState, HostRows
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Result, Sample
@@ -58,7 +58,8 @@ from jaxsr.rewards import as_reward
 from jaxsr.rewards.base import Reward
 from jaxsr.search.candidates import best, score_rows, token_scorer
 from jaxsr.search.memory import budget_slots
-from jaxsr.sharding import mesh_of, on_mesh, padded_rows
+from jaxsr.sharding import padded_rows
+from jaxsr.text import left_pad
 
 Rule = Literal["keep_fraction", "quantile"]
 SLOT_ALIGN = 8  # the first rung's row-cache length is a multiple of this (fewer shapes across budgets)
@@ -130,7 +131,7 @@ def _check_rate(rejection_rate: Any) -> float:
     return float(rejection_rate)
 
 
-class _Plan:
+class MemoryPlan:
     """Memory plan for one prompt: first batch, ladder, and each rung's row-cache length.
 
     A row of a rung takes `capacity(rows)` slots for its segment plus `headroom` look-ahead slots."""
@@ -146,7 +147,7 @@ class _Plan:
         headroom: int = 0,
     ):
         self.budget, self.prompt_slots, self.headroom = budget, prompt_slots, headroom
-        self.max_slots = bucket(max_new_tokens)
+        self.max_new_tokens, self.max_slots = max_new_tokens, bucket(max_new_tokens)
         room = budget - prompt_slots
         # the first segment is a whole multiple of SLOT_ALIGN (see `capacity`): round the minimum up
         if min_segment > SLOT_ALIGN:
@@ -183,8 +184,45 @@ class _Plan:
         return min(wide_enough) if wide_enough else max(fitting)
 
 
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+    """The options of one `speculative_rejection` call that every prompt's search shares, validated."""
+
+    rate: float
+    rule: Rule
+    min_keep: int
+    decision_interval: int | None
+    min_first_segment: int
+    min_prompt_bucket: int
+
+    @classmethod
+    def checked(
+        cls,
+        rejection_rate: Any,
+        rule: Any,
+        min_keep: Any,
+        decision_interval: Any,
+        min_first_segment: Any,
+        min_prompt_bucket: Any,
+    ) -> SearchConfig:
+        if rule not in ("keep_fraction", "quantile"):
+            raise ValueError(f"rule: expected 'keep_fraction' or 'quantile', got {rule!r}")
+        if isinstance(min_keep, bool) or min_keep not in (0, 1):
+            raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {min_keep!r}")
+        if decision_interval is not None:
+            decision_interval = check_positive_int("decision_interval", decision_interval)
+        return cls(
+            rate=_check_rate(rejection_rate),
+            rule=rule,
+            min_keep=int(min_keep),
+            decision_interval=decision_interval,
+            min_first_segment=check_positive_int("min_first_segment", min_first_segment),
+            min_prompt_bucket=check_positive_int("min_prompt_bucket", min_prompt_bucket),
+        )
+
+
 def speculative_rejection(
-    model: Model | PairDecoder,
+    model: Model | Decoder,
     reward: Any,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
@@ -211,198 +249,238 @@ def speculative_rejection(
     `min_prompt_bucket` pads every prompt to at least that many slots (a power of two), so prompts of
     different lengths share compiled programs (on accelerators, where compiles are costly); the padding
     counts against the memory budget."""
-    sampling = check_sampling(sampling)
-    engine = as_engine(model, sampling)
+    decoder = as_decoder(model, check_sampling(sampling))
     reward = as_reward(reward)
-    rate = _check_rate(rejection_rate)
+    config = SearchConfig.checked(
+        rejection_rate, rule, min_keep, decision_interval, min_first_segment, min_prompt_bucket
+    )
     if n is not None:
         n = check_positive_int("n", n)
-    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
-    min_first_segment = check_positive_int("min_first_segment", min_first_segment)
-    min_prompt_bucket = check_positive_int("min_prompt_bucket", min_prompt_bucket)
-    if decision_interval is not None:
-        decision_interval = check_positive_int("decision_interval", decision_interval)
-    if rule not in ("keep_fraction", "quantile"):
-        raise ValueError(f"rule: expected 'keep_fraction' or 'quantile', got {rule!r}")
-    if isinstance(min_keep, bool) or min_keep not in (0, 1):
-        raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {min_keep!r}")
-    seed = check_seed(seed)
-    encoded = encode_prompts(engine.model, prompts, chat=chat)
-    engine.check_context(encoded, max_new_tokens)
-    stop_token_ids, prompt_offset = check_row_ids(engine.model, stop_token_ids, prompt_offset)
-    mesh = mesh_of(*engine.models)
+    request = prepare(
+        decoder.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
+        stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
+    )  # fmt: skip
     results = []
-    for i, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
-        prompt_slots = bucket(len(ids), min_prompt_bucket)
-        fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + engine.headroom)
-        budget = budget_slots(memory_budget, engine.slot_bytes, fallback_slots=fallback, mesh=mesh)
-        plan = _Plan(budget, prompt_slots, max_new_tokens, n, rate, min_first_segment, engine.headroom)
-        with on_mesh(*engine.models):
-            result = _one_prompt(
-                engine,
-                reward,
-                prompt,
-                ids,
-                plan,
-                max_new_tokens,
-                seed,
-                rate,
-                rule,
-                min_keep,
-                decision_interval,
-                stop_token_ids,
-                prompt_offset + i,
-                mesh,
-            )
-        results.append(result)
+    for i, (prompt, ids) in enumerate(zip(prompts, request.encoded, strict=True)):
+        plan = memory_plan(decoder, config, request, len(ids), n, memory_budget)
+        with decoder.on_mesh():
+            results.append(search_prompt(decoder, reward, config, request, plan, i, prompt))
     return results
 
 
-def _one_prompt(
-    engine: Engine,
-    reward: Reward,
-    prompt: Any,
-    ids: list[int],
-    plan: _Plan,
-    max_new_tokens: int,
-    seed: int,
-    rate: float,
-    rule: Rule,
-    min_keep: int,
-    interval: int | None,
-    stop_token_ids: Sequence[int],
-    prompt_id: int,
-    mesh: Mesh | None,
-) -> Result:
-    """One prompt's search. On a mesh each rung's batch is padded with dead rows so that it splits
-    over the `data` shards (the plan, and so the result, stays the same)."""
-    padded = partial(padded_rows, mesh=mesh)
-    timings = dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
-    t_start = time.perf_counter()
-    reward_before = reward.token_forwards
-    model = engine.model
-    scorer = token_scorer(model, reward, prompt, max_new_tokens)
-    tokens, mask = left_pad([ids], 1, plan.prompt_slots)
-    prefilled = engine.prefill(jnp.asarray(tokens), jnp.asarray(mask))
-    jax.block_until_ready(prefilled)
-    timings["prefill_s"] = time.perf_counter() - t_start
-    forwards = dict.fromkeys(engine.roles, plan.prompt_slots)
-
-    rows = plan.ladder[0]
-    first_rows = row_inputs(
-        model, prompts=1, real_prompts=1, samples_per_prompt=padded(rows), live_per_prompt=rows,
-        first_sample=0, num_samples=rows,
-        max_new_tokens=max_new_tokens, seed=seed, first_prompt_id=prompt_id, stop_token_ids=stop_token_ids,
-    )  # fmt: skip
-    state = engine.init_state(
-        prefilled, capacity=plan.max_slots, cache_capacity=plan.capacity(rows) + plan.headroom, **first_rows
+def memory_plan(
+    decoder: Decoder,
+    config: SearchConfig,
+    request: Request,
+    prompt_len: int,
+    n: int | None,
+    memory_budget: Any,
+) -> MemoryPlan:
+    """The memory plan of one prompt: its budget in slots of all of the decoder's caches."""
+    prompt_slots = bucket(prompt_len, config.min_prompt_bucket)
+    max_new_tokens = request.max_new_tokens
+    fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + decoder.headroom)
+    budget = budget_slots(memory_budget, decoder.slot_bytes, fallback_slots=fallback, mesh=decoder.mesh)
+    return MemoryPlan(
+        budget, prompt_slots, max_new_tokens, n, config.rate, config.min_first_segment, decoder.headroom
     )
-    book = Book()
-    round_log: list[dict[str, Any]] = []
-    decisions: list[dict[str, Any]] = []
-    generated = 1
-    calls_before = dict.fromkeys(engine.roles, 0)
+
+
+@dataclasses.dataclass
+class Progress:
+    """One prompt's search on the host: its timers, work counters, logs and finished responses."""
+
+    forwards: dict[str, int]
+    timings: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
+    )
+    book: Book = dataclasses.field(default_factory=Book)
+    rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    decisions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    generated: int = 1
+    """The longest live row's tokens at the last decision point."""
+    steps: int = 0
+    forwards_seen: np.ndarray | None = None
+    """The state's per-model position counters when last read (they accumulate across rounds)."""
+
+
+def search_prompt(
+    decoder: Decoder,
+    reward: Reward,
+    config: SearchConfig,
+    request: Request,
+    plan: MemoryPlan,
+    index: int,
+    prompt: Any,
+) -> Result:
+    """One prompt's search: decode a round, score it, decide, compact the survivors — until every row
+    is done or nothing continues. On a mesh each rung's batch is padded with dead rows so that it splits
+    over the `data` shards (the plan, and so the result, stays the same)."""
+    t_start = time.perf_counter()
+    ids = request.encoded[index]
+    reward_before = reward.token_forwards
+    scorer = token_scorer(decoder.target, reward, prompt, request.max_new_tokens)
+    progress = Progress(forwards=dict.fromkeys(decoder.roles, plan.prompt_slots))
+    prefilled = prefill_prompt(decoder, ids, plan, progress)
+    state = first_rows(decoder, request, plan, request.prompt_offset + index, prefilled)
     while True:
-        base = engine.base(state)
-        slots = base.rows.capacity  # segment + look-ahead headroom
-        pause = min(max_new_tokens, slots - plan.headroom + 1)
-        if interval is not None:
-            pause = min(pause, generated + interval)
-        t0 = time.perf_counter()
-        live = int(np.asarray(base.alive).sum())
-        state = engine.decode_loop(state, prefilled, jnp.asarray(pause, jnp.int32))
-        base = engine.base(state)
-        host = jax.device_get(
-            (
-                base.tokens,
-                base.num_generated,
-                base.finished,
-                base.done,
-                base.alive,
-                base.logprob_sum,
-                base.sample_id,
-                base.steps,
-                engine.calls(state),
-            )
-        )
-        buf, num, finished, done, alive, logprob, sample_id, steps, calls = host
-        decode_s = time.perf_counter() - t0
-        timings["decode_s"] += decode_s
-        batch = len(alive)
-        steps_before = sum(r["steps"] for r in round_log)
-        round_log.append(
-            {
-                "start_token": generated,
-                "end_token": int(num[alive].max(initial=generated)),
-                "batch_size": batch,
-                "live_rows": live,
-                "steps": int(steps) - steps_before,
-                "kv_bytes": (plan.prompt_slots + batch * slots) * engine.slot_bytes,
-                "decode_s": decode_s,
-            }
-        )
-        for role, total in calls.items():
-            forwards[role] += (int(total) - calls_before[role]) * batch
-        calls_before = {role: int(total) for role, total in calls.items()}
-        generated = int(num[alive].max(initial=generated))
-
-        # score every live row of this round (partial or complete)
-        t1 = time.perf_counter()
-        live_rows = np.flatnonzero(alive)
-        token_lists = [buf[r, : num[r] - finished[r]].tolist() for r in live_rows]
-        on_device = None
-        if scorer is not None:  # the decode buffer is scored where it lies
-            on_device = np.asarray(scorer(base.tokens, base.num_generated - base.finished))[live_rows]
-        scores, texts = score_rows(
-            model, reward, prompt, ids, token_lists, logprob[live_rows], num[live_rows], on_device
-        )
-        round_samples = [
-            Sample(
-                token_ids=t,
-                text=x,
-                score=float(s),
-                finished=bool(finished[r]),
-                logprob=float(logprob[r]),
-                index=int(sample_id[r]),
-            )
-            for r, t, x, s in zip(live_rows, token_lists, texts, scores, strict=True)
-        ]
-        timings["scoring_s"] += time.perf_counter() - t1
-        if done[alive].all():  # last round: every row finished or reached max_new_tokens
-            final = [*book.permanent, *round_samples]
+        state, host = decode_round(decoder, plan, config, state, prefilled[1], progress)
+        round_samples, live_rows = score_round(decoder, reward, scorer, prompt, ids, state, host, progress)
+        if host.done[host.alive].all():  # every row finished or reached max_new_tokens
             break
-        after, continuing, decision = decide(book, round_samples, rate, rule, min_keep)
-        rung = plan.next_rung(len(continuing), generated) if continuing else None
-        decision["forced"] = len(continuing) - (0 if rung is None else min(rung, len(continuing)))
-        decision["rate"] = 1 - (decision["kept"] - decision["forced"]) / decision["pool"]
-        decisions.append({"token": generated, **decision})
+        survivors, rung = choose_survivors(plan, config, progress, round_samples, live_rows)
         if rung is None:  # nothing continues (or memory cannot hold a row further): stop here
-            final = [*book.permanent, *round_samples]
             break
-        book = after
-        survivors = sorted(int(live_rows[j]) for j in continuing[:rung])
-        t2 = time.perf_counter()
-        index = np.array(survivors + [survivors[0]] * (padded(rung) - len(survivors)), np.int32)
-        alive_next = np.arange(padded(rung)) < len(survivors)
-        state = engine.compact(
-            state, jnp.asarray(index), jnp.asarray(alive_next), plan.capacity(rung) + plan.headroom
-        )
-        timings["compaction_s"] += time.perf_counter() - t2
+        state = compact_survivors(decoder, plan, state, survivors, rung, progress)
 
+    final = sorted([*progress.book.permanent, *round_samples], key=lambda s: s.index)
     wall = time.perf_counter() - t_start
-    final.sort(key=lambda s: s.index)
     stats = {
         "wall_s": wall,
-        **timings,
-        "host_s": wall - sum(timings.values()),
-        "token_forwards": {**forwards, "reward": reward.token_forwards - reward_before},
-        "rounds": len(round_log),
-        "batch_sizes": [r["live_rows"] for r in round_log],
-        "kv_bytes": [r["kv_bytes"] for r in round_log],
-        "round_log": round_log,
+        **progress.timings,
+        "host_s": wall - sum(progress.timings.values()),
+        "token_forwards": {**progress.forwards, "reward": reward.token_forwards - reward_before},
+        "rounds": len(progress.rounds),
+        "batch_sizes": [r["live_rows"] for r in progress.rounds],
+        "kv_bytes": [r["kv_bytes"] for r in progress.rounds],
+        "round_log": progress.rounds,
         "initial_batch": plan.ladder[0],
         "memory_budget_slots": plan.budget,
-        "decisions": decisions,
-        "forced_rejections": sum(d["forced"] for d in decisions),
+        "decisions": progress.decisions,
+        "forced_rejections": sum(d["forced"] for d in progress.decisions),
     }
     return Result(prompt=prompt, samples=final, best=best(final), stats=stats)
+
+
+def prefill_prompt(decoder: Decoder, ids: list[int], plan: MemoryPlan, progress: Progress) -> Any:
+    """The prompt's caches in every model, prefilled once (its slots padded to the plan's bucket)."""
+    t0 = time.perf_counter()
+    tokens, mask = left_pad([ids], 1, plan.prompt_slots)
+    prefilled = decoder.prefill(jnp.asarray(tokens), jnp.asarray(mask))
+    jax.block_until_ready(prefilled)
+    progress.timings["prefill_s"] = time.perf_counter() - t0
+    return prefilled
+
+
+def first_rows(
+    decoder: Decoder, request: Request, plan: MemoryPlan, prompt_id: int, prefilled: Any
+) -> DecodeState:
+    """The first rung's rows, each with its first token (sample ids 0 … B0−1: Best-of-N's streams)."""
+    rows = plan.ladder[0]
+    inputs = row_inputs(
+        decoder.target, prompts=1, real_prompts=1, samples_per_prompt=padded_rows(rows, decoder.mesh),
+        live_per_prompt=rows, first_sample=0, num_samples=rows, max_new_tokens=request.max_new_tokens,
+        seed=request.seed, first_prompt_id=prompt_id, stop_token_ids=request.stop_token_ids,
+    )  # fmt: skip
+    capacity = plan.capacity(rows) + plan.headroom
+    return decoder.init_state(prefilled, capacity=plan.max_slots, cache_capacity=capacity, **inputs)
+
+
+def decode_round(
+    decoder: Decoder,
+    plan: MemoryPlan,
+    config: SearchConfig,
+    state: DecodeState,
+    prompts: tuple,
+    progress: Progress,
+) -> tuple[DecodeState, HostRows]:
+    """Decode until the rung's cache segment is full (or the decision interval, or every row is done),
+    then read the rows to the host in one transfer and log the round."""
+    slots = state.rows[0].capacity  # segment + look-ahead headroom
+    pause = min(plan.max_new_tokens, slots - plan.headroom + 1)
+    if config.decision_interval is not None:
+        pause = min(pause, progress.generated + config.decision_interval)
+    t0 = time.perf_counter()
+    live = int(np.asarray(state.alive).sum())
+    state = decoder.decode_loop(state, prompts, jnp.asarray(pause, jnp.int32))
+    host = HostRows.read(state)
+    seconds = time.perf_counter() - t0
+    progress.timings["decode_s"] += seconds
+    batch = len(host.alive)
+    end = int(host.num_generated[host.alive].max(initial=progress.generated))
+    progress.rounds.append(
+        {
+            "start_token": progress.generated,
+            "end_token": end,
+            "batch_size": batch,
+            "live_rows": live,
+            "steps": host.steps - progress.steps,
+            "kv_bytes": (plan.prompt_slots + batch * slots) * decoder.slot_bytes,
+            "decode_s": seconds,
+        }
+    )
+    seen = np.zeros_like(host.forwards) if progress.forwards_seen is None else progress.forwards_seen
+    for role, total, before in zip(decoder.roles, host.forwards, seen, strict=True):
+        progress.forwards[role] += int(total - before) * batch
+    progress.forwards_seen, progress.steps, progress.generated = host.forwards, host.steps, end
+    return state, host
+
+
+def score_round(
+    decoder: Decoder,
+    reward: Reward,
+    scorer: Any,
+    prompt: Any,
+    ids: list[int],
+    state: DecodeState,
+    host: HostRows,
+    progress: Progress,
+) -> tuple[list[Sample], np.ndarray]:
+    """Every live row of the round as a scored `Sample` (partial or complete), and the rows' indices.
+    An on-device scorer reads the decode buffer where it lies."""
+    t0 = time.perf_counter()
+    live_rows = np.flatnonzero(host.alive)
+    raws = raw_samples(host, live_rows)
+    on_device = None
+    if scorer is not None:
+        on_device = np.asarray(scorer(state.tokens, state.num_generated - state.finished))[live_rows]
+    scores, texts = score_rows(
+        decoder.target, reward, prompt, ids, [r.tokens for r in raws],
+        host.logprob_sum[live_rows], host.num_generated[live_rows], on_device,
+    )  # fmt: skip
+    samples = [r.to_sample(t, float(s)) for r, t, s in zip(raws, texts, scores, strict=True)]
+    progress.timings["scoring_s"] += time.perf_counter() - t0
+    return samples, live_rows
+
+
+def choose_survivors(
+    plan: MemoryPlan,
+    config: SearchConfig,
+    progress: Progress,
+    round_samples: list[Sample],
+    live_rows: np.ndarray,
+) -> tuple[list[int], int | None]:
+    """A decision point: the reference's bookkeeping (`decide`), then the rung the continuing rows go
+    to (None: the search ends on this round). Returns the surviving rows (state indices, in order) and
+    the rung, and logs the decision with its forced rejections and effective rate."""
+    book, continuing, decision = decide(
+        progress.book, round_samples, config.rate, config.rule, config.min_keep
+    )
+    rung = plan.next_rung(len(continuing), progress.generated) if continuing else None
+    decision["forced"] = len(continuing) - (0 if rung is None else min(rung, len(continuing)))
+    decision["rate"] = 1 - (decision["kept"] - decision["forced"]) / decision["pool"]
+    progress.decisions.append({"token": progress.generated, **decision})
+    if rung is None:
+        return [], None
+    progress.book = book
+    return sorted(int(live_rows[j]) for j in continuing[:rung]), rung
+
+
+def compact_survivors(
+    decoder: Decoder,
+    plan: MemoryPlan,
+    state: DecodeState,
+    survivors: list[int],
+    rung: int,
+    progress: Progress,
+) -> DecodeState:
+    """Gather the survivors into the rung's batch (padded with dead rows to the mesh) and cache length."""
+    t0 = time.perf_counter()
+    size = padded_rows(rung, decoder.mesh)
+    index = np.array(survivors + [survivors[0]] * (size - len(survivors)), np.int32)
+    alive = np.arange(size) < len(survivors)
+    state = decoder.compact(
+        state, jnp.asarray(index), jnp.asarray(alive), plan.capacity(rung) + plan.headroom
+    )
+    progress.timings["compaction_s"] += time.perf_counter() - t0
+    return state

@@ -1,0 +1,148 @@
+"""Every decoding and search call's inputs, validated and encoded once: `prepare` → `Request`.
+
+Errors name the argument and what was expected. Prompts are strings (through the target's chat template
+when its tokenizer has one, unless `chat=False`) or lists of token ids (used as they are)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxsr import text
+from jaxsr.checks import check_positive_int, check_seed
+from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.models.config import DecoderConfig
+from jaxsr.models.model import Model
+
+MAX_PROMPT_ID = 2**30  # prompt ids are int32 on device; a job of any size stays far below
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What every decoding call shares, checked: the prompts as given and encoded, and the rows' options."""
+
+    prompts: Sequence[Any]
+    encoded: list[list[int]]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    seed: int
+    stop_token_ids: tuple[int, ...]
+    prompt_offset: int
+    """Index of `prompts[0]` in a larger job: split or resumed jobs draw the same random streams."""
+
+
+def prepare(
+    models: Sequence[Model],
+    prompts: Any,
+    *,
+    max_new_tokens: Any,
+    sampling: Any,
+    seed: Any,
+    chat: bool | None,
+    stop_token_ids: Any,
+    prompt_offset: Any,
+) -> Request:
+    """Validate a call's arguments and encode its prompts with `models[0]`'s tokenizer; every model
+    must fit the prompts plus `max_new_tokens` in its context."""
+    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+    sampling = check_sampling(sampling)
+    seed = check_seed(seed)
+    target = models[0]
+    encoded = encode_prompts(target, prompts, chat=chat)
+    for model in models:
+        check_context(model, encoded, max_new_tokens)
+    stops, offset = check_row_ids(target, stop_token_ids, prompt_offset)
+    return Request(prompts, encoded, max_new_tokens, sampling, seed, tuple(stops), offset)
+
+
+def check_sampling(sampling: Any) -> SamplingConfig:
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling: expected a jaxsr.SamplingConfig, got {type(sampling).__name__}")
+    return sampling
+
+
+def check_language_model(model: Any, name: str) -> Model:
+    if not isinstance(model, Model):
+        raise TypeError(f"{name}: expected a jaxsr.Model, got {type(model).__name__}")
+    if model.config.is_reward_model:
+        raise TypeError(f"{name}: a reward model has no language-model head")
+    return model
+
+
+def check_pair(target: Any, second: Any, names: tuple[str, str]) -> None:
+    """Both must be language models over the same vocabulary (same ids for the same tokens)."""
+    for model, name in zip((target, second), names, strict=True):
+        check_language_model(model, name)
+    t, d = target.config.vocab_size, second.config.vocab_size
+    if t != d:
+        raise ValueError(f"{names[1]}: vocabulary of {d} tokens differs from the {names[0]}'s {t}")
+    if None not in (target.tokenizer, second.tokenizer) and not text.same_vocabulary(
+        target.tokenizer, second.tokenizer
+    ):
+        raise ValueError(f"{names[1]}: its tokenizer maps tokens to different ids than the {names[0]}'s")
+
+
+def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> list[list[int]]:
+    """Token ids of each prompt. Strings go through the chat template when the tokenizer has one
+    (and `chat` is not False); lists of ints are used as they are."""
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+        raise TypeError("prompts: expected a list of strings or a list of token-id lists")
+    if len(prompts) == 0:
+        raise ValueError("prompts: the list is empty")
+    tokenizer = model.tokenizer
+    use_chat = chat if chat is not None else text.has_chat_template(tokenizer)
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError(f"prompts[{i}]: empty prompt")
+            if tokenizer is None:
+                raise ValueError(f"prompts[{i}]: text prompts need a model with a tokenizer; pass token ids")
+            ids = text.encode_user_turn(tokenizer, prompt, chat=use_chat)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int | np.integer) for t in prompt):
+            if len(prompt) == 0:
+                raise ValueError(f"prompts[{i}]: empty prompt")
+            ids = [int(t) for t in prompt]
+            if min(ids) < 0 or max(ids) >= model.config.vocab_size:
+                raise ValueError(f"prompts[{i}]: token ids must lie in [0, {model.config.vocab_size})")
+        else:
+            raise TypeError(f"prompts[{i}]: expected a string or a list of ints, got {type(prompt).__name__}")
+        encoded.append(ids)
+    return encoded
+
+
+def check_context(model: Model, prompts: list[list[int]], max_new_tokens: int) -> None:
+    cfg = model.config
+    for i, ids in enumerate(prompts):
+        if len(ids) + max_new_tokens > cfg.context:
+            raise ValueError(
+                f"prompts[{i}]: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} exceed the "
+                f"model's context of {cfg.context}{_window_note(cfg)}"
+            )
+
+
+def _window_note(cfg: DecoderConfig) -> str:
+    if cfg.context == cfg.max_position_embeddings:
+        return ""
+    return (
+        f" (its sliding attention window, which jaxsr does not apply; positions go up to "
+        f"{cfg.max_position_embeddings})"
+    )
+
+
+def check_row_ids(model: Model, stop_token_ids: Any, prompt_offset: Any) -> tuple[list[int], int]:
+    """Extra stop ids (token ids of `model`) and the index of a call's first prompt in its job."""
+    if isinstance(stop_token_ids, str | bytes) or not isinstance(stop_token_ids, Sequence | np.ndarray):
+        raise TypeError(f"stop_token_ids: expected a sequence of token ids, got {stop_token_ids!r}")
+    vocab = model.config.vocab_size
+    for i in stop_token_ids:
+        if isinstance(i, bool) or not isinstance(i, int | np.integer) or not 0 <= i < vocab:
+            raise ValueError(f"stop_token_ids: expected token ids in [0, {vocab}), got {i!r}")
+    if isinstance(prompt_offset, bool) or not isinstance(prompt_offset, int | np.integer):
+        raise TypeError(f"prompt_offset: expected an int, got {type(prompt_offset).__name__}")
+    if not 0 <= prompt_offset < MAX_PROMPT_ID:
+        raise ValueError(f"prompt_offset: expected an int in [0, 2**30), got {prompt_offset}")
+    return [int(i) for i in stop_token_ids], int(prompt_offset)

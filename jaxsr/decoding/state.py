@@ -1,0 +1,151 @@
+"""The one decode-state pytree of every method, and the pure updates on it.
+
+Rows are grouped by prompt ([prompts, G] flattened): all G rows of a prompt attend to its single
+`PromptCache` (one per model), and each row keeps one `RowCache` per model holding only the tokens it
+generated. A finished, paused or masked row keeps its slot in the fixed-shape batch; it just stops
+changing. Between steps every row cache holds the row's generated tokens [0, n-1), n being its
+committed tokens: the last committed token has not been fed yet. A step that looks ahead (drafting,
+verification) writes further slots and then sets each `length` back to n-1 — a rejected draft is
+rolled back by that pointer alone, its stale slots are overwritten before they can be attended to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxsr.models.cache import RowCache
+from jaxsr.sharding import constrain_rows
+
+
+@struct.dataclass
+class DecodeState:
+    tokens: jax.Array
+    """[B, N] int32 generated tokens (the stop token included when a row finished)."""
+    num_generated: jax.Array
+    """[B] int32 tokens committed so far."""
+    finished: jax.Array
+    """[B] bool: the row sampled an EOS/stop id."""
+    done: jax.Array
+    """[B] bool: the row will not change any more (finished, out of budget, or not alive)."""
+    alive: jax.Array
+    """[B] bool: a real candidate (False for bucket padding and rejected rows)."""
+    logprob_sum: jax.Array
+    """[B] float32 sum of the (target) model's raw log-probabilities of the generated tokens."""
+    prompt_id: jax.Array
+    """[B] int32 global prompt index (for the random stream)."""
+    sample_id: jax.Array
+    """[B] int32 sample index within the prompt (for the random stream)."""
+    max_new_tokens: jax.Array
+    """[B] int32 per-row token budget."""
+    stop_ids: jax.Array
+    """[B, S] int32 ids that finish a row (-1 pads)."""
+    seed: jax.Array
+    """[] uint32 base seed."""
+    rows: tuple[RowCache, ...]
+    """One row cache per model the method runs, the target's first."""
+    steps: jax.Array
+    """[] int32 decode steps run on this state."""
+    forwards: jax.Array
+    """[M] int32 token positions run per row through each model (prefills not counted)."""
+    target_calls: jax.Array
+    """[B] int32 target forward calls made while the row was active."""
+    accepted: jax.Array
+    """[B] int32 draft tokens accepted (speculative methods)."""
+    tested: jax.Array
+    """[B] int32 draft tokens put to the acceptance test (accepted + rejected)."""
+
+    def active(self, pause_at: jax.Array | int) -> jax.Array:
+        """[B] rows a step advances: not done and short of `pause_at` tokens."""
+        return ~self.done & (self.num_generated < pause_at)
+
+    def last_tokens(self) -> tuple[jax.Array, jax.Array]:
+        """(index of each row's last committed token, that token): what the next step feeds."""
+        index = jnp.maximum(self.num_generated - 1, 0)
+        return index, jnp.take_along_axis(self.tokens, index[:, None], axis=1)[:, 0]
+
+    def with_rows(self, rows: tuple[RowCache, ...]) -> DecodeState:
+        """The state with these caches, their pointers set to n-1 (rolling back any look-ahead)."""
+        length = jnp.maximum(self.num_generated - 1, 0)
+        return self.replace(rows=tuple(r.replace(length=length) for r in rows))
+
+
+PER_ROW = (
+    "tokens", "num_generated", "finished", "done", "alive", "logprob_sum", "prompt_id", "sample_id",
+    "max_new_tokens", "stop_ids", "target_calls", "accepted", "tested",
+)  # fmt: skip
+
+
+def record(state: DecodeState, tokens: jax.Array, logp: jax.Array, active: jax.Array) -> DecodeState:
+    """Append `tokens` [B] to the active rows and update their finished/done flags."""
+    B = tokens.shape[0]
+    index = jnp.where(active, state.num_generated, state.tokens.shape[1])  # inactive: write dropped
+    buffer = state.tokens.at[jnp.arange(B), index].set(tokens, mode="drop")
+    stopped = active & (tokens[:, None] == state.stop_ids).any(-1)
+    num = state.num_generated + active
+    finished = state.finished | stopped
+    done = state.done | finished | (num >= state.max_new_tokens)
+    return state.replace(
+        tokens=buffer,
+        num_generated=num,
+        finished=finished,
+        done=done,
+        logprob_sum=state.logprob_sum + jnp.where(active, logp, 0.0),
+    )
+
+
+def pin(state: DecodeState) -> DecodeState:
+    """Under a mesh (`jaxsr.sharding.on_mesh`), keep every row and its caches on its `data` shard."""
+    per_row = constrain_rows(state.replace(rows=None))
+    return per_row.replace(rows=tuple(r.constrained() for r in state.rows))
+
+
+@partial(jax.jit, static_argnames=("cache_capacity",))
+def compact(state: DecodeState, index: jax.Array, alive: jax.Array, *, cache_capacity: int) -> DecodeState:
+    """Gather rows `index` into a (smaller) batch whose row caches have `cache_capacity` slots (keep
+    the method's look-ahead headroom). Survivors keep tokens, caches, random streams and counters;
+    `alive=False` marks padding rows.
+
+    Rows attend to the prompt cache of their group (row b to prompt b // G), so the gather must keep
+    each row in its prompt's group."""
+    gathered = {name: getattr(state, name)[index] for name in PER_ROW}
+    gathered["done"] = gathered["done"] | ~alive
+    gathered["alive"] = alive
+    rows = tuple(r.take(index, cache_capacity) for r in state.rows)
+    return pin(state.replace(**gathered, rows=rows))
+
+
+@dataclasses.dataclass
+class HostRows:
+    """The per-row fields of a decode state, copied to the host in one transfer."""
+
+    tokens: np.ndarray
+    num_generated: np.ndarray
+    finished: np.ndarray
+    done: np.ndarray
+    alive: np.ndarray
+    logprob_sum: np.ndarray
+    prompt_id: np.ndarray
+    sample_id: np.ndarray
+    target_calls: np.ndarray
+    accepted: np.ndarray
+    tested: np.ndarray
+    steps: int
+    forwards: np.ndarray
+
+    @classmethod
+    def read(cls, state: DecodeState) -> HostRows:
+        names = [f.name for f in dataclasses.fields(cls)]
+        values = jax.device_get([getattr(state, name) for name in names])
+        host = cls(**dict(zip(names, values, strict=True)))
+        host.steps = int(host.steps)
+        return host
+
+    def response(self, row: int) -> list[int]:
+        """Row `row`'s generated tokens without its stop token."""
+        return self.tokens[row, : int(self.num_generated[row]) - bool(self.finished[row])].tolist()

@@ -1,0 +1,128 @@
+"""What one decode step does: the `Method` interface, and the methods that commit one token per step
+(plain sampling, contrastive decoding). Speculative methods are in `speculative`.
+
+A `Method` is a frozen, hashable dataclass (a static argument of the jitted programs in `loop`). It
+runs `num_models` models (the target first: the model sampled from, or the expert), scores the next
+token from their logits (`scores`), and advances a `DecodeState` by one step (`step`). Contrast weights
+are traced data passed beside it, so α/β sweeps compile nothing new.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsr.decoding.contrast import Contrast, contrastive_scores
+from jaxsr.decoding.sampling import SamplingConfig, draw, row_keys, token_logprob
+from jaxsr.decoding.state import DecodeState, record
+from jaxsr.models.cache import PromptCache, RowCache
+
+Graphs = tuple[nnx.GraphDef, ...]
+"""One graph per model (static)."""
+Params = tuple[nnx.State, ...]
+PromptCaches = tuple[PromptCache, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """How a decoder commits tokens. Subclasses set `num_models` and `roles` (the `token_forwards`
+    keys of its models) and implement `scores` and `step`."""
+
+    sampling: SamplingConfig = SamplingConfig()
+    num_models: ClassVar[int] = 1
+    roles: ClassVar[tuple[str, ...]] = ("generator",)
+
+    @property
+    def headroom(self) -> int:
+        """Row-cache slots beyond the token budget that a step may write (look-ahead)."""
+        return 0
+
+    @property
+    def baseline(self) -> Method:
+        """The method whose distribution this one reproduces one token per step (itself here)."""
+        return self
+
+    def with_sampling(self, sampling: SamplingConfig) -> Method:
+        return dataclasses.replace(self, sampling=sampling)
+
+    def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
+        """Raw scores [..., V] of the next token from each model's logits at the same positions."""
+        raise NotImplementedError
+
+    def step(
+        self,
+        graphs: Graphs,
+        params: Params,
+        state: DecodeState,
+        prompts: PromptCaches,
+        contrast: Contrast | None,
+        pause_at: jax.Array | int,
+    ) -> DecodeState:
+        """Advance every active row short of `pause_at` tokens (pure: no host sync)."""
+        raise NotImplementedError
+
+
+def forward(
+    graph: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,
+    index: jax.Array,
+    prompt: PromptCache,
+    rows: RowCache,
+) -> tuple[jax.Array, RowCache]:
+    """Feed tokens [B, T] that sit at generated indices `index` [B, T] (written at the same slots).
+
+    Returns float32 logits [B, T, V] and the cache (its `length` is left for the caller). Positions
+    are clamped to the model's context: only look-ahead tokens past the budget reach the clamp, and
+    those are never kept."""
+    module = nnx.merge(graph, params)
+    G = index.shape[0] // prompt.num_prompts
+    positions = jnp.minimum(
+        jnp.repeat(prompt.length, G)[:, None] + index, module.config.max_position_embeddings - 1
+    )
+    hidden, rows = module.decode(tokens, positions, prompt, rows.replace(length=index[:, 0]))
+    return module.logits(hidden), rows
+
+
+def keys_of(state: DecodeState) -> jax.Array:
+    """Each row's key for its next token."""
+    return row_keys(state.seed, state.prompt_id, state.sample_id, state.num_generated)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling(Method):
+    """Plain sampling: one token per step from the target's logits (after `sampling`'s processing)."""
+
+    def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
+        return logits[0]
+
+    def step(self, graphs, params, state, prompts, contrast, pause_at):
+        active = state.active(pause_at)
+        index, last = state.last_tokens()
+        outputs = [
+            forward(g, p, last[:, None], index[:, None], prompt, rows)
+            for g, p, prompt, rows in zip(graphs, params, prompts, state.rows, strict=True)
+        ]
+        logits = tuple(z[:, 0] for z, _ in outputs)
+        tokens = draw(keys_of(state), self.scores(logits, contrast), self.sampling)
+        state = record(state, tokens, token_logprob(logits[0], tokens), active)
+        state = state.with_rows(tuple(rows for _, rows in outputs))
+        return state.replace(
+            steps=state.steps + 1, forwards=state.forwards + 1, target_calls=state.target_calls + active
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ContrastiveDecoding(Sampling):
+    """Contrastive decoding (`jaxsr.decoding.contrast`): the expert and the amateur step together, one
+    token per step from their contrast; the recorded log-probability is the expert's own."""
+
+    num_models: ClassVar[int] = 2
+    roles: ClassVar[tuple[str, ...]] = ("expert", "amateur")
+
+    def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
+        return contrastive_scores(logits[0], logits[1], contrast)
