@@ -11,7 +11,7 @@ from jaxsr.decoding.api import (
     speculative_decode,
     speculative_decoder,
 )
-from jaxsr.decoding.driver import Decoder
+from jaxsr.decoding.driver import Sampler
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.loading.api import load_model, load_reward_model, save_model
 from jaxsr.loading.encoder import load_encoder
@@ -21,17 +21,17 @@ from jaxsr.results import Result, Sample
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.speculative_rejection import speculative_rejection
 
-PairDecoder = Decoder
-"""The name earlier releases gave a two-model `Decoder`."""
+PairDecoder = Sampler
+"""The name earlier releases gave a two-model `Sampler`."""
 
 __all__ = [
-    "Decoder",
     "EncoderModel",
     "Model",
     "PairDecoder",
     "Result",
     "RewardModel",
     "Sample",
+    "Sampler",
     "SamplingConfig",
     "best_of_n",
     "contrastive_decode",

@@ -42,9 +42,7 @@ def test_best_of_n_over_a_decoder_samples_what_the_decoder_samples(target, draft
     decoder = make("speculative", target, draft)
     kwargs = dict(max_new_tokens=12, sampling=SAMPLING, seed=5)
     bon = jaxsr.best_of_n(decoder, SelfLikelihood(), PROMPTS, n=4, **kwargs)
-    sd = jaxsr.speculative_decode(
-        target, draft, PROMPTS, gamma=3, num_samples=4, **kwargs
-    )
+    sd = jaxsr.speculative_decode(target, draft, PROMPTS, gamma=3, num_samples=4, **kwargs)
     plain = jaxsr.best_of_n(target, SelfLikelihood(), PROMPTS, n=4, **kwargs)
     for b, s in zip(bon, sd, strict=True):
         assert tokens(b) == tokens(s)

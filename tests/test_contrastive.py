@@ -10,8 +10,8 @@ from flax import nnx
 from tiny import tiny_config, tiny_model
 
 import jaxsr
-from jaxsr.decoding.contrast import contrastive_scores, make_contrast
 from jaxsr.decoding.api import contrastive_decode
+from jaxsr.decoding.contrast import contrastive_scores, make_contrast
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.layers import MASKED

@@ -22,13 +22,14 @@ import scipy.stats
 from flax import nnx
 from tiny import tiny_config
 
-from jaxsr.decoding import pair, sampler
-from jaxsr.decoding.contrastive import ContrastiveDecoding, contrastive_scores, make_contrast
-from jaxsr.decoding.prompts import left_pad
-from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.decoding.speculative import SpeculativeDecoding, residual
+from jaxsr.decoding.contrast import contrastive_scores, make_contrast
+from jaxsr.decoding.driver import Sampler
+from jaxsr.decoding.sampling import SamplingConfig, probabilities
+from jaxsr.decoding.speculative import SpeculativeContrastiveDecoding, SpeculativeDecoding, residual
+from jaxsr.decoding.steps import ContrastiveDecoding
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model
+from jaxsr.text import left_pad
 
 V = 8
 N = 100_000
@@ -82,42 +83,40 @@ COMPOSITIONS = {
 }
 
 
-def method(kind: str, gamma: int, sampling: SamplingConfig) -> pair.Method:
+def decoder(kind: str, gamma: int, sampling: SamplingConfig) -> Sampler:
+    """The target and draft as the `kind` decoder, sampling with `sampling`."""
     if kind == "CD":
-        return ContrastiveDecoding(sampling)
-    return SpeculativeDecoding(sampling, gamma=gamma)
-
-
-def contrast(kind: str) -> pair.Contrast:
-    return pair.Contrast.unused() if kind == "SD" else CONTRAST
+        method, weights = ContrastiveDecoding(sampling), CONTRAST
+    elif kind == "SD":
+        method, weights = SpeculativeDecoding(sampling, gamma=gamma), None
+    else:
+        method, weights = SpeculativeContrastiveDecoding(sampling, gamma=gamma), CONTRAST
+    return Sampler(models(), method, weights)
 
 
 @functools.cache
 def decode(kind: str, gamma: int, comp: str, permuted: bool = False):
     """Run the jitted core on one batch of 10^5 rows: per row (prompt index, sample id, tokens,
     length, accepted). `permuted` reverses the prompts' order and the sample ids within each prompt."""
-    target, draft = models()
     c = COMPOSITIONS[comp]
-    m = method(kind, gamma, c["sampling"])
+    d = decoder(kind, gamma, c["sampling"])
     order = list(range(len(c["prompts"])))[:: -1 if permuted else 1]
     prompts, G = [c["prompts"][i] for i in order], c["G"]
     sample_ids = np.tile(np.arange(G)[:: -1 if permuted else 1], len(prompts))
     budget = c["budget"](sample_ids)
     L, P, B = int(budget.max()), len(prompts), len(sample_ids)
     tokens, mask = map(jnp.asarray, left_pad(prompts, P, max(map(len, prompts))))
-    t_logits, t_prompt = sampler.prefill(target.graph, target.params, tokens, mask)
-    d_logits, d_prompt = sampler.prefill(draft.graph, draft.params, tokens, mask)
+    prefilled = d.prefill(tokens, mask)
     stop = np.full((B, 1), -1, np.int32)
     stop[:, : len(c["stop"])] = c["stop"]
-    state = pair.init_state(
-        t_logits, d_logits, (t_prompt, d_prompt), contrast(kind), method=m, samples_per_prompt=G, capacity=L,
-        cache_capacity=L + m.headroom, seed=np.uint32(0), prompt_ids=jnp.asarray(order, jnp.int32),
-        sample_ids=jnp.asarray(sample_ids, jnp.int32), alive=jnp.asarray(c["alive"](sample_ids)),
-        max_new_tokens=jnp.asarray(budget, jnp.int32), stop_ids=jnp.asarray(stop),
+    state = d.init_state(
+        prefilled, samples_per_prompt=G, capacity=L, cache_capacity=L + d.headroom, seed=np.uint32(0),
+        prompt_ids=jnp.asarray(order, jnp.int32), sample_ids=jnp.asarray(sample_ids, jnp.int32),
+        alive=jnp.asarray(c["alive"](sample_ids)), max_new_tokens=jnp.asarray(budget, jnp.int32),
+        stop_ids=jnp.asarray(stop),
     )  # fmt: skip
-    graphs, params = (target.graph, draft.graph), (target.params, draft.params)
-    state = pair.decode_loop(graphs, params, state, (t_prompt, d_prompt), contrast(kind), method=m)
-    tokens, lengths, accepted = jax.device_get((state.base.tokens, state.base.num_generated, state.accepted))
+    state = d.decode_loop(state, prefilled[1], None)
+    tokens, lengths, accepted = jax.device_get((state.tokens, state.num_generated, state.accepted))
     return np.repeat(order, G), sample_ids, tokens, lengths, accepted
 
 
@@ -135,8 +134,8 @@ def distributions(kind: str, prompt: list[int], prefixes: list[tuple[int, ...]],
     z_e = np.asarray(target.logits(seqs, mask))[: len(prefixes), -1]
     z_a = np.asarray(draft.logits(seqs, mask))[: len(prefixes), -1]
     scores = z_e if kind == "SD" else contrastive_scores(jnp.asarray(z_e), jnp.asarray(z_a), CONTRAST)
-    p = pair.probabilities(jnp.asarray(scores), sampling)
-    q = pair.probabilities(jnp.asarray(z_a), sampling)
+    p = probabilities(jnp.asarray(scores), sampling)
+    q = probabilities(jnp.asarray(z_a), sampling)
     return np.asarray(p, np.float64), np.asarray(q, np.float64)
 
 

@@ -16,8 +16,9 @@ from transformers.generation.logits_process import (
 )
 
 import jaxsr
-from jaxsr.decoding import sampler
+from jaxsr.decoding import loop
 from jaxsr.decoding.sampling import CDF_BLOCK, SamplingConfig, draw_from, process_logits, top_k
+from jaxsr.decoding.steps import PlainSampling
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import RewardModel
 
@@ -122,17 +123,16 @@ def test_the_compiled_decode_loop_updates_the_row_cache_in_place(lm):
 
     import jax.numpy as jnp
 
-    logits, prompt = sampler.prefill(
-        lm.graph, lm.params, jnp.ones((1, 16), jnp.int32), jnp.ones((1, 16), bool)
-    )
-    B, capacity, cfg = 8, 40, SamplingConfig()
-    state = sampler.init_state(
-        logits, prompt, samples_per_prompt=B, capacity=capacity, sampling=cfg, seed=np.uint32(0),
+    logits, prompt = loop.prefill(lm.graph, lm.params, jnp.ones((1, 16), jnp.int32), jnp.ones((1, 16), bool))
+    B, capacity, method = 8, 40, PlainSampling(SamplingConfig())
+    state = loop.init_state(
+        (logits,), (prompt,), None, method=method, samples_per_prompt=B, capacity=capacity, seed=np.uint32(0),
         prompt_ids=jnp.zeros(1, jnp.int32), sample_ids=jnp.arange(B, dtype=jnp.int32),
         alive=jnp.ones(B, bool), max_new_tokens=jnp.full(B, capacity, jnp.int32),
         stop_ids=jnp.full((B, 1), -1, jnp.int32),
     )  # fmt: skip
-    hlo = sampler.decode_loop.lower(lm.graph, lm.params, state, prompt, sampling=cfg).compile().as_text()
+    hlo = loop.decode_loop.lower((lm.graph,), (lm.params,), state, (prompt,), None, method=method)
+    hlo = hlo.compile().as_text()
     K, D = lm.config.num_kv_heads, lm.config.head_dim
     shapes = {f"f32[{B},{K},{D},{capacity}]", f"f32[{B},{K},{capacity},{D}]"}
     scatters = [line for line in hlo.splitlines() if "scatter(" in line and any(s in line for s in shapes)]

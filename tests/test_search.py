@@ -10,7 +10,7 @@ from tiny import tiny_model
 from tolerance import assert_same_sample
 
 import jaxsr
-from jaxsr.decoding import sampler
+from jaxsr.decoding import loop, state
 from jaxsr.rewards import SelfLikelihood
 from jaxsr.search.memory import parse_bytes
 from jaxsr.search.speculative_rejection import batch_ladder, keep_mask
@@ -136,7 +136,7 @@ def test_each_rung_compiles_once():
         return rungs, transitions
 
     def sizes() -> tuple[int, int]:
-        return sampler.decode_loop._cache_size(), sampler.compact._cache_size()
+        return loop.decode_loop._cache_size(), state.compact._cache_size()
 
     before = sizes()
     rungs, transitions = run_all()
@@ -153,7 +153,7 @@ def test_a_prompt_bucket_floor_shares_compiled_programs_across_prompt_lengths():
     short, long = [[1, 2, 3]], [list(range(1, 21))]  # 16- and 32-slot buckets
 
     def sizes() -> tuple[int, int]:
-        return sampler.prefill._cache_size(), sampler.decode_loop._cache_size()
+        return loop.prefill._cache_size(), loop.decode_loop._cache_size()
 
     jaxsr.speculative_rejection(lm, SelfLikelihood(), short, min_prompt_bucket=32, **kwargs)
     before = sizes()

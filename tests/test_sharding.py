@@ -11,11 +11,10 @@ import pytest
 from tiny import tiny_model
 
 import jaxsr
-from jaxsr.decoding import pair, sampler
-from jaxsr.decoding.decoders import as_engine
-from jaxsr.decoding.generate import row_inputs
+from jaxsr.decoding import state as decode_state
+from jaxsr.decoding.driver import as_sampler, row_inputs
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.sharding import make_mesh, on_mesh, shard_model
+from jaxsr.sharding import make_mesh, shard_model
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13]]
 MESHES = [(8, 1), (4, 2), (2, 4)]
@@ -53,31 +52,31 @@ def _decode_on_mesh(lm, prompts: int, samples: int, capacity: int = 32):
     """init_state + decode_loop on a (4, 2) mesh; returns the prompt cache, final state and the HLO of
     the compiled decode loop."""
     sharded = shard_model(lm, make_mesh(data=4, model=2))
+    decoder = as_sampler(sharded, SAMPLING)
     tokens = jnp.ones((prompts, 8), jnp.int32)
-    with on_mesh(sharded):
-        logits, cache = sampler.prefill(sharded.graph, sharded.params, tokens, jnp.ones_like(tokens))
+    with decoder.on_mesh():
+        prefilled = decoder.prefill(tokens, jnp.ones_like(tokens))
         rows = row_inputs(
             sharded, prompts=prompts, real_prompts=prompts, samples_per_prompt=samples, first_sample=0,
             num_samples=samples, max_new_tokens=capacity, seed=0, first_prompt_id=0, stop_token_ids=(),
         )  # fmt: skip
-        state = sampler.init_state(logits, cache, capacity=capacity, sampling=SAMPLING, **rows)
-        hlo = sampler.decode_loop.lower(sharded.graph, sharded.params, state, cache, sampling=SAMPLING)
-        hlo = hlo.compile().as_text()
-        state = sampler.decode_loop(sharded.graph, sharded.params, state, cache, sampling=SAMPLING)
-    return cache, state, hlo
+        state = decoder.init_state(prefilled, capacity=capacity, **rows)
+        hlo = decoder.compiled_loop(state, prefilled[1]).as_text()
+        state = decoder.decode_loop(state, prefilled[1], None)
+    return prefilled[1][0], state, hlo
 
 
 def test_rows_and_their_caches_are_split_over_data(lm):
     cache, state, _ = _decode_on_mesh(lm, prompts=4, samples=2)
     assert state.tokens.sharding.spec[0] == "data"
     assert state.done.sharding.spec[0] == "data"
-    assert tuple(state.rows.k[0].sharding.spec)[:2] == ("data", "model")  # rows, KV heads
-    assert tuple(state.rows.v[0].sharding.spec)[:2] == ("data", "model")
+    assert tuple(state.rows[0].k[0].sharding.spec)[:2] == ("data", "model")  # rows, KV heads
+    assert tuple(state.rows[0].v[0].sharding.spec)[:2] == ("data", "model")
     assert tuple(cache.k[0].sharding.spec)[:2] == ("data", "model")  # 4 prompts over data=4
     # one prompt shared by all rows: its cache is replicated over data, rows still split
     one_prompt, state, _ = _decode_on_mesh(lm, prompts=1, samples=8)
     assert tuple(one_prompt.k[0].sharding.spec)[:2] == (None, "model")
-    assert tuple(state.rows.k[0].sharding.spec)[:2] == ("data", "model")
+    assert tuple(state.rows[0].k[0].sharding.spec)[:2] == ("data", "model")
 
 
 COLLECTIVES = r"(?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
@@ -95,43 +94,43 @@ def _gathered_elements(hlo: str) -> list[int]:
 
 def test_the_decode_loop_never_moves_a_cache_and_compaction_only_the_survivors(lm):
     _, state, hlo = _decode_on_mesh(lm, prompts=1, samples=8, capacity=64)
-    row_cache_layer = state.rows.k[0].size
+    row_cache_layer = state.rows[0].k[0].size
     gathered = _gathered_elements(hlo)
     assert gathered, "the positive control: the loop moves small per-row arrays and partial sums"
     assert max(gathered) < row_cache_layer // 8
-    with jax.set_mesh(state.rows.k[0].sharding.mesh):
+    with jax.set_mesh(state.rows[0].k[0].sharding.mesh):
         index, alive = jnp.array([1, 3, 5, 7], jnp.int32), jnp.ones((4,), bool)
-        hlo = sampler.compact.lower(state, index, alive, cache_capacity=64).compile().as_text()
-        compacted = sampler.compact(state, index, alive, cache_capacity=64)
+        hlo = decode_state.compact.lower(state, index, alive, cache_capacity=64).compile().as_text()
+        compacted = decode_state.compact(state, index, alive, cache_capacity=64)
     # survivors move between shards: XLA partitions the data-dependent gather by moving the compacted
     # rows (at most the next round's cache, per model shard), never the current cache
     per_model_shard = 2
     moved = max(_gathered_elements(hlo))
-    assert moved <= compacted.rows.k[0].size // per_model_shard < row_cache_layer // per_model_shard
-    assert tuple(compacted.rows.k[0].sharding.spec)[:2] == ("data", "model")
+    assert moved <= compacted.rows[0].k[0].size // per_model_shard < row_cache_layer // per_model_shard
+    assert tuple(compacted.rows[0].k[0].sharding.spec)[:2] == ("data", "model")
     np.testing.assert_array_equal(compacted.tokens, np.asarray(state.tokens)[[1, 3, 5, 7]])
 
 
 def test_pair_compaction_moves_only_the_survivors(lm, draft):
     mesh = make_mesh(data=4, model=2)
     decoder = jaxsr.speculative_decoder(shard_model(lm, mesh), shard_model(draft, mesh), gamma=2)
-    engine = as_engine(decoder, SAMPLING)
+    decoder = decoder.with_sampling(SAMPLING)
     tokens = jnp.ones((1, 8), jnp.int32)
-    with on_mesh(*engine.models):
-        prefilled = engine.prefill(tokens, jnp.ones_like(tokens))
+    with decoder.on_mesh():
+        prefilled = decoder.prefill(tokens, jnp.ones_like(tokens))
         rows = row_inputs(
             lm, prompts=1, real_prompts=1, samples_per_prompt=8, first_sample=0, num_samples=8,
             max_new_tokens=64, seed=0, first_prompt_id=0, stop_token_ids=(),
         )  # fmt: skip
-        state = engine.init_state(prefilled, capacity=64, cache_capacity=64 + engine.headroom, **rows)
+        state = decoder.init_state(prefilled, capacity=64, cache_capacity=64 + decoder.headroom, **rows)
         index, alive = jnp.array([0, 2, 4, 6], jnp.int32), jnp.ones((4,), bool)
-        hlo = pair.compact.lower(state, index, alive, cache_capacity=32).compile().as_text()
-        compacted = engine.compact(state, index, alive, 32)
+        hlo = decode_state.compact.lower(state, index, alive, cache_capacity=32).compile().as_text()
+        compacted = decoder.compact(state, index, alive, 32)
     moved = max(_gathered_elements(hlo))  # the compacted rows at most (per model shard), as above
-    assert moved <= max(compacted.base.rows.k[0].size, compacted.draft_rows.k[0].size) // 2
-    assert moved < state.base.rows.k[0].size // 2
-    assert tuple(compacted.draft_rows.k[0].sharding.spec)[:2] == ("data", "model")
-    assert compacted.base.tokens.sharding.spec[0] == "data"
+    assert moved <= max(r.k[0].size for r in compacted.rows) // 2
+    assert moved < state.rows[0].k[0].size // 2
+    assert tuple(compacted.rows[1].k[0].sharding.spec)[:2] == ("data", "model")
+    assert compacted.tokens.sharding.spec[0] == "data"
 
 
 def test_meshes_jaxsr_cannot_pin_rows_on_are_refused(lm):

@@ -15,7 +15,6 @@ from compiles import compilations
 from tiny import tiny_model
 
 import jaxsr
-from jaxsr.text import left_pad
 from jaxsr.decoding import cost, loop
 from jaxsr.decoding.api import contrastive_decode, speculative_contrastive_decode, speculative_decode
 from jaxsr.decoding.contrast import contrastive_scores, make_contrast
@@ -26,6 +25,7 @@ from jaxsr.decoding.speculative import (
     next_distribution,
     residual,
 )
+from jaxsr.text import left_pad
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
 GREEDY = SamplingConfig(temperature=0)
@@ -262,19 +262,19 @@ def test_pausing_and_compacting_do_not_change_the_tokens(target, draft):
     """Decode to a pause point, gather rows into another order with one masked, finish: the survivors'
     tokens equal those of an uninterrupted run (what Speculative Rejection over SCD relies on). The
     shapes are those `speculative_decode` uses for 3 prompts × 2 samples, so nothing new compiles."""
-    decoder = jaxsr.speculative_contrastive_decoder(target, draft, gamma=3).with_sampling(SAMPLING)
+    sampler = jaxsr.speculative_contrastive_decoder(target, draft, gamma=3).with_sampling(SAMPLING)
     tokens, mask = map(jnp.asarray, left_pad(PROMPTS, 4, 16))
-    prefilled = decoder.prefill(tokens, mask)
+    prefilled = sampler.prefill(tokens, mask)
 
     def run(pause_at, state=None):
         if state is None:
-            state = decoder.init_state(
+            state = sampler.init_state(
                 prefilled, samples_per_prompt=2, capacity=16,
                 cache_capacity=20, seed=np.uint32(0), prompt_ids=jnp.arange(4, dtype=jnp.int32),
                 sample_ids=jnp.tile(jnp.arange(2), 4), alive=jnp.ones(8, bool),
                 max_new_tokens=jnp.full(8, 16, jnp.int32), stop_ids=jnp.full((8, 1), -1, jnp.int32),
             )  # fmt: skip
-        return decoder.decode_loop(state, prefilled[1], jnp.int32(pause_at))
+        return sampler.decode_loop(state, prefilled[1], jnp.int32(pause_at))
 
     full = jax.device_get(run(loop.NO_PAUSE))
     paused = run(6)
@@ -282,7 +282,7 @@ def test_pausing_and_compacting_do_not_change_the_tokens(target, draft):
     assert (n >= 6).all() and (n <= 6 + 3).all() and (n < 16).any()
     keep = np.array([1, 0, 3, 2, 5, 4, 7, 6])  # rows stay in their prompt's group of 2
     alive = keep != 0
-    small = jax.device_get(run(loop.NO_PAUSE, decoder.compact(paused, keep, jnp.asarray(alive), 20)))
+    small = jax.device_get(run(loop.NO_PAUSE, sampler.compact(paused, keep, jnp.asarray(alive), 20)))
     np.testing.assert_array_equal(small.tokens[alive], full.tokens[keep[alive]])
     assert small.num_generated[~alive] == n[0]  # the masked row froze
 

@@ -1,8 +1,8 @@
 """The public decoding calls: `generate`, the two-model decoders, and the calls that decode with them.
 
 `speculative_decoder`, `contrastive_decoder` and `speculative_contrastive_decoder` validate a pair and
-its method's arguments and return a `Decoder`; `best_of_n` and `speculative_rejection` take a `Model`
-(plain sampling) or a `Decoder`, so Speculative Rejection over speculative contrastive decoding is one
+its method's arguments and return a `Sampler`; `best_of_n` and `speculative_rejection` take a `Model`
+(plain sampling) or a `Sampler`, so Speculative Rejection over speculative contrastive decoding is one
 call. Every call validates and encodes its inputs once (`inputs.prepare`) and runs the one driver."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from jaxsr.checks import check_positive_int
 from jaxsr.decoding import cost
 from jaxsr.decoding.contrast import ContrastKind, make_contrast
-from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Decoder, Run, as_decoder, decode, samples_of
+from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Run, Sampler, as_sampler, decode, samples_of
 from jaxsr.decoding.inputs import Request, check_language_model, check_pair, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import SpeculativeContrastiveDecoding, SpeculativeDecoding
@@ -25,10 +25,10 @@ from jaxsr.results import Result
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 
 
-def speculative_decoder(target: Model, draft: Model, *, gamma: int = 4) -> Decoder:
+def speculative_decoder(target: Model, draft: Model, *, gamma: int = 4) -> Sampler:
     """Speculative decoding: samples exactly from `target`, `draft` proposing γ tokens per call."""
     check_pair(target, draft, ("target", "draft"))
-    return Decoder((target, draft), SpeculativeDecoding(gamma=check_positive_int("gamma", gamma)))
+    return Sampler((target, draft), SpeculativeDecoding(gamma=check_positive_int("gamma", gamma)))
 
 
 def contrastive_decoder(
@@ -39,11 +39,11 @@ def contrastive_decoder(
     beta: float = 0.5,
     contrast: ContrastKind = "obrien",
     tau: float = 1.0,
-) -> Decoder:
+) -> Sampler:
     """Contrastive decoding (expert and amateur step together every token)."""
     check_pair(expert, amateur, ("expert", "amateur"))
     weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
-    return Decoder((expert, amateur), ContrastiveDecoding(), weights)
+    return Sampler((expert, amateur), ContrastiveDecoding(), weights)
 
 
 def speculative_contrastive_decoder(
@@ -55,17 +55,17 @@ def speculative_contrastive_decoder(
     beta: float = 0.5,
     contrast: ContrastKind = "obrien",
     tau: float = 1.0,
-) -> Decoder:
+) -> Sampler:
     """Speculative contrastive decoding: exactly contrastive decoding's distribution, the amateur
     drafting γ tokens per expert call."""
     check_pair(expert, amateur, ("expert", "amateur"))
     weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
     method = SpeculativeContrastiveDecoding(gamma=check_positive_int("gamma", gamma))
-    return Decoder((expert, amateur), method, weights)
+    return Sampler((expert, amateur), method, weights)
 
 
 def decode_prompts(
-    decoder: Decoder,
+    sampler: Sampler,
     prompts: Prompts,
     *,
     max_new_tokens: int,
@@ -79,31 +79,31 @@ def decode_prompts(
     baseline: bool = False,
     measure_cost: bool = False,
 ) -> list[Result]:
-    """Decode `prompts` with `decoder`, one `Result` per prompt. Speculative methods' stats add
+    """Decode `prompts` with `sampler`, one `Result` per prompt. Speculative methods' stats add
     acceptance, the predicted speed-up from the measured cost ratios (`measure_cost`: timing probes)
     and, with `baseline`, the measured one against the method's own baseline (`Method.baseline`: the
     target alone for SD, contrastive decoding for SCD)."""
     request = prepare(
-        decoder.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
+        sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
     num_samples = check_positive_int("num_samples", num_samples)
     max_rows = check_positive_int("max_rows", max_rows)
-    decoder = decoder.with_sampling(request.sampling)
+    sampler = sampler.with_sampling(request.sampling)
     t0 = time.perf_counter()
-    run = decode(decoder, request, num_samples=num_samples, max_rows=max_rows)
+    run = decode(sampler, request, num_samples=num_samples, max_rows=max_rows)
     wall = (time.perf_counter() - t0) / len(request.encoded)
     stats = run.stats
-    if isinstance(decoder.method, SpeculativeDecoding):
-        stats = speculative_stats(decoder, request, run, num_samples, max_rows, baseline, measure_cost)
+    if isinstance(sampler.method, SpeculativeDecoding):
+        stats = speculative_stats(sampler, request, run, num_samples, max_rows, baseline, measure_cost)
     return [
-        Result(prompt=prompt, samples=samples_of(decoder.target, rows), stats={"wall_s": wall, **st})
+        Result(prompt=prompt, samples=samples_of(sampler.target, rows), stats={"wall_s": wall, **st})
         for prompt, rows, st in zip(prompts, run.samples, stats, strict=True)
     ]
 
 
 def speculative_stats(
-    decoder: Decoder,
+    sampler: Sampler,
     request: Request,
     run: Run,
     num_samples: int,
@@ -113,9 +113,9 @@ def speculative_stats(
 ) -> list[dict[str, Any]]:
     """Per prompt: γ, acceptance, the cost ratios and predicted speed-up (`measure_cost`), and the
     measured speed-up against the method's baseline run on the same prompts (`baseline`)."""
-    method = decoder.method
+    method = sampler.method
     gamma, contrastive = method.gamma, isinstance(method, SpeculativeContrastiveDecoding)
-    costs = cost.measure_call_costs(decoder, run.shapes, gamma) if measure_cost else None
+    costs = cost.measure_call_costs(sampler, run.shapes, gamma) if measure_cost else None
     cost_ratio, verify = costs or (None, None)
     stats = []
     for st, rows in zip(run.stats, run.samples, strict=True):
@@ -128,9 +128,9 @@ def speculative_stats(
         stats.append(st)
     if baseline:
         reference = method.baseline
-        models = decoder.models[: reference.num_models]
-        reference_decoder = Decoder(models, reference, decoder.contrast if contrastive else None)
-        base_s = decode(reference_decoder, request, num_samples=num_samples, max_rows=max_rows).decode_s
+        models = sampler.models[: reference.num_models]
+        reference_sampler = Sampler(models, reference, sampler.contrast if contrastive else None)
+        base_s = decode(reference_sampler, request, num_samples=num_samples, max_rows=max_rows).decode_s
         for st in stats:
             st.update(
                 baseline_decode_s=base_s / len(request.encoded),
@@ -158,7 +158,7 @@ def generate(
     larger job, so split or resumed jobs draw the same random streams as one whole call."""
     check_language_model(model, "model")
     return decode_prompts(
-        as_decoder(model, SamplingConfig()), prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+        as_sampler(model, SamplingConfig()), prompts, max_new_tokens=max_new_tokens, sampling=sampling,
         num_samples=num_samples, seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows,
         prompt_offset=prompt_offset,
     )  # fmt: skip
@@ -186,9 +186,9 @@ def contrastive_decode(
     `jaxsr.decoding.contrast`); greedy when `sampling.temperature == 0`. Prompts are encoded with the
     expert's tokenizer and stop on the expert's EOS ids (plus `stop_token_ids`). `Sample.logprob` is the
     expert's own log-probability of the tokens; `stats["token_forwards"]` has "expert" and "amateur"."""
-    decoder = contrastive_decoder(expert, amateur, alpha=alpha, beta=beta, contrast=contrast, tau=tau)
+    sampler = contrastive_decoder(expert, amateur, alpha=alpha, beta=beta, contrast=contrast, tau=tau)
     return decode_prompts(
-        decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
+        sampler, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
         seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
     )  # fmt: skip
 
@@ -220,9 +220,9 @@ def speculative_decode(
     also plain target sampling is run and timed: baseline_decode_s and speedup.
     `token_forwards` has "generator" (the target) and "draft". Prompts are encoded with the target's
     tokenizer and stop on its EOS ids."""
-    decoder = speculative_decoder(target, draft, gamma=gamma)
+    sampler = speculative_decoder(target, draft, gamma=gamma)
     return decode_prompts(
-        decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
+        sampler, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
         seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
         baseline=baseline, measure_cost=measure_cost,
     )  # fmt: skip
@@ -253,11 +253,11 @@ def speculative_contrastive_decode(
     expert call (it is both the draft and the contrast). Stats as `speculative_decode`, with
     `token_forwards` keys "expert" and "amateur"; the baseline is `contrastive_decode`, which costs
     1 + c target calls per token, so expected_speedup is (1+c)·E[tokens per step] / (v + cγ + cλ^γ)."""
-    decoder = speculative_contrastive_decoder(
+    sampler = speculative_contrastive_decoder(
         expert, amateur, gamma=gamma, alpha=alpha, beta=beta, contrast=contrast, tau=tau
     )
     return decode_prompts(
-        decoder, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
+        sampler, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
         seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
         baseline=baseline, measure_cost=measure_cost,
     )  # fmt: skip

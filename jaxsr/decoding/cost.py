@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsr.decoding.driver import Decoder, RawSample
+from jaxsr.decoding.driver import RawSample, Sampler
 from jaxsr.decoding.steps import forward
 from jaxsr.models.cache import PromptCache, RowCache
 from jaxsr.sharding import constrain_rows
@@ -95,7 +95,7 @@ def _probe(graph: nnx.GraphDef, params: nnx.State, tokens: jax.Array, prompt: Pr
 
 
 def measure_call_costs(
-    decoder: Decoder, shapes: Any, gamma: int, repeats: int = 3
+    sampler: Sampler, shapes: Any, gamma: int, repeats: int = 3
 ) -> tuple[float, float] | None:
     """(c, v): one draft call (1 token per row) and one verification call (γ+1 tokens per row), each
     relative to one 1-token target call, timed on `shapes` (a `driver.Run`'s: its last batch's row and
@@ -106,7 +106,7 @@ def measure_call_costs(
         lambda x: jnp.zeros(x.shape, x.dtype), shapes
     )
     B = target_rows.length.shape[0]
-    target, draft = decoder.models
+    target, draft = sampler.models
 
     def best(model, prompt: PromptCache, rows: RowCache, width: int) -> float:
         tokens = jnp.zeros((B, width), jnp.int32)
@@ -118,7 +118,7 @@ def measure_call_costs(
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    with decoder.on_mesh():
+    with sampler.on_mesh():
         t_step = best(target, t_prompt, target_rows, 1)
         if t_step <= 0:
             return None

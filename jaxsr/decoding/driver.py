@@ -1,6 +1,6 @@
-"""The decoder (models + method + contrast weights) and the one host driver that decodes prompts
+"""The sampler (models + method + contrast weights) and the one host driver that decodes prompts
 with it: batch the prompts, prefill each once per model, compile once per shape, run the token loop,
-and bring every row back to the host in one transfer. The search procedures drive the same decoder
+and bring every row back to the host in one transfer. The search procedures drive the same sampler
 through its jitted operations (prefill, init, decode until a pause, compact survivors)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from jaxsr.decoding.contrast import Contrast
 from jaxsr.decoding.inputs import Request
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.state import DecodeState, HostRows, compact
-from jaxsr.decoding.steps import Method, Sampling
+from jaxsr.decoding.steps import Method, PlainSampling
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Sample
@@ -31,11 +31,11 @@ DEFAULT_MAX_ROWS = 64
 
 
 @dataclasses.dataclass(frozen=True)
-class Decoder:
+class Sampler:
     """Models decoding as one: `models[0]` is the target (the model sampled from, or the expert; its
     tokenizer, EOS ids and log-probabilities are the samples'), the others are what `method` runs
     beside it (a draft or an amateur, sharing its vocabulary). Build one with `jaxsr.speculative_decoder`,
-    `contrastive_decoder`, `speculative_contrastive_decoder`, or `as_decoder(model)` for plain sampling."""
+    `contrastive_decoder`, `speculative_contrastive_decoder`, or `as_sampler(model)` for plain sampling."""
 
     models: tuple[Model, ...]
     method: Method
@@ -62,14 +62,14 @@ class Decoder:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes one token position takes in all of the decoder's caches."""
+        """Bytes one token position takes in all of the sampler's caches."""
         return sum(m.kv_slot_bytes for m in self.models)
 
     @property
     def mesh(self) -> Mesh | None:
         return mesh_of(*self.models)
 
-    def with_sampling(self, sampling: SamplingConfig) -> Decoder:
+    def with_sampling(self, sampling: SamplingConfig) -> Sampler:
         return dataclasses.replace(self, method=self.method.with_sampling(sampling))
 
     def on_mesh(self):
@@ -115,16 +115,16 @@ class Decoder:
         return tuple(m.params for m in self.models)
 
 
-def as_decoder(decoder: Any, sampling: SamplingConfig) -> Decoder:
-    """The decoder of a `Model` (plain sampling) or a `Decoder`, sampling with `sampling` (the
+def as_sampler(sampler: Any, sampling: SamplingConfig) -> Sampler:
+    """The sampler of a `Model` (plain sampling) or a `Sampler`, sampling with `sampling` (the
     search functions' `model` argument)."""
-    if isinstance(decoder, Decoder):
-        return decoder.with_sampling(sampling)
-    if isinstance(decoder, Model) and not decoder.config.is_reward_model:
-        return Decoder((decoder,), Sampling(sampling))
+    if isinstance(sampler, Sampler):
+        return sampler.with_sampling(sampling)
+    if isinstance(sampler, Model) and not sampler.config.is_reward_model:
+        return Sampler((sampler,), PlainSampling(sampling))
     raise TypeError(
-        "model: expected a jaxsr.Model (language model) or a decoder from jaxsr.speculative_decoder / "
-        f"contrastive_decoder / speculative_contrastive_decoder, got {type(decoder).__name__}"
+        "model: expected a jaxsr.Model (language model) or a sampler from jaxsr.speculative_decoder / "
+        f"contrastive_decoder / speculative_contrastive_decoder, got {type(sampler).__name__}"
     )
 
 
@@ -250,27 +250,27 @@ class Run:
     only, so that no finished batch's cache stays alive while the next one decodes)."""
 
 
-def decode(decoder: Decoder, request: Request, *, num_samples: int, max_rows: int = DEFAULT_MAX_ROWS) -> Run:
+def decode(sampler: Sampler, request: Request, *, num_samples: int, max_rows: int = DEFAULT_MAX_ROWS) -> Run:
     """`num_samples` continuations of each prompt of `request`; each prompt is prefilled once per model.
 
     Per prompt, stats: the work of a batch shared evenly among its real prompts (`prefill_s`,
     `compile_s`, `decode_s`, `token_forwards` by role), `batch_rows` and `kv_slots` (prompt + row cache
     slots of one model) of the batch it was decoded in. Compilation is timed apart so that `decode_s`
     measures decoding alone."""
-    prompts, target = request.encoded, decoder.target
+    prompts, target = request.encoded, sampler.target
     capacity = bucket(request.max_new_tokens)
-    cache_capacity = capacity + decoder.headroom
+    cache_capacity = capacity + sampler.headroom
     run = Run([[] for _ in prompts], [{} for _ in prompts], 0.0)
-    with decoder.on_mesh():
-        for start, P, G, R in batches(prompts, num_samples, max_rows, decoder.mesh):
+    with sampler.on_mesh():
+        for start, P, G, R in batches(prompts, num_samples, max_rows, sampler.mesh):
             chunk = prompts[start : start + P]
             S = bucket(max(len(p) for p in chunk))
             t0 = time.perf_counter()
             tokens, mask = map(jnp.asarray, text.left_pad(chunk, P, S))
-            logits, prompt_caches = decoder.prefill(tokens, mask)
+            logits, prompt_caches = sampler.prefill(tokens, mask)
             jax.block_until_ready(logits)
             prefill_s = time.perf_counter() - t0
-            forwards = np.full(len(decoder.models), P * S)
+            forwards = np.full(len(sampler.models), P * S)
             compile_s = decode_s = 0.0
             for first in range(0, num_samples, G):
                 rows = row_inputs(
@@ -279,14 +279,14 @@ def decode(decoder: Decoder, request: Request, *, num_samples: int, max_rows: in
                     seed=request.seed, first_prompt_id=request.prompt_offset + start,
                     stop_token_ids=request.stop_token_ids,
                 )  # fmt: skip
-                state = decoder.init_state(
+                state = sampler.init_state(
                     (logits, prompt_caches), capacity=capacity, cache_capacity=cache_capacity, **rows
                 )
                 t1 = time.perf_counter()
-                compiled = decoder.compiled_loop(state, prompt_caches)
+                compiled = sampler.compiled_loop(state, prompt_caches)
                 t2 = time.perf_counter()
                 state = compiled(
-                    decoder.params, state, prompt_caches, decoder.contrast, pause_at=loop.NO_PAUSE
+                    sampler.params, state, prompt_caches, sampler.contrast, pause_at=loop.NO_PAUSE
                 )
                 host = HostRows.read(state)
                 compile_s += t2 - t1
@@ -305,7 +305,7 @@ def decode(decoder: Decoder, request: Request, *, num_samples: int, max_rows: in
                     "compile_s": compile_s / len(chunk),
                     "decode_s": decode_s / len(chunk),
                     "token_forwards": {
-                        role: int(n) // len(chunk) for role, n in zip(decoder.roles, forwards, strict=True)
+                        role: int(n) // len(chunk) for role, n in zip(sampler.roles, forwards, strict=True)
                     },
                     "batch_rows": P * R,
                     "kv_slots": P * S + P * R * cache_capacity,

@@ -4,8 +4,8 @@ Research use, from your own code (`method` any `Method`; its models' graphs, par
 as tuples, the target first; `contrast` the traced weights of contrastive methods, else None)::
 
     logits, prompt = prefill(lm.graph, lm.params, tokens, mask)          # once per prompt and model
-    state = init_state((logits,), (prompt,), None, method=Sampling(cfg), samples_per_prompt=4, ...)
-    state = decode_loop((lm.graph,), (lm.params,), state, (prompt,), None, method=Sampling(cfg))
+    state = init_state((logits,), (prompt,), None, method=PlainSampling(cfg), samples_per_prompt=4, ...)
+    state = decode_loop((lm.graph,), (lm.params,), state, (prompt,), None, method=PlainSampling(cfg))
     state = compact(state, survivors, alive, cache_capacity=...)         # e.g. a search's rejection
     state = decode_loop(...)                                              # nothing is prefilled again
 """

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jaxsr.decoding.contrast import Contrast, contrastive_scores
 from jaxsr.decoding.sampling import draw_from, probabilities, token_logprob
 from jaxsr.decoding.state import record
-from jaxsr.decoding.steps import ContrastiveDecoding, Method, Sampling, forward, keys_of
+from jaxsr.decoding.steps import ContrastiveDecoding, Method, PlainSampling, forward, keys_of
 
 # -- the acceptance rule, as pure functions of distributions -----------------------------------------
 
@@ -90,7 +90,7 @@ class SpeculativeDecoding(Method):
 
     @property
     def baseline(self) -> Method:
-        return Sampling(self.sampling)
+        return PlainSampling(self.sampling)
 
     def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
         # the target's log-softmax: it samples, filters and argmaxes exactly as its logits do

@@ -29,7 +29,7 @@ PromptCaches = tuple[PromptCache, ...]
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """How a decoder commits tokens. Subclasses set `num_models` and `roles` (the `token_forwards`
+    """How a sampler commits tokens. Subclasses set `num_models` and `roles` (the `token_forwards`
     keys of its models) and implement `scores` and `step`."""
 
     sampling: SamplingConfig = SamplingConfig()
@@ -94,7 +94,7 @@ def keys_of(state: DecodeState) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling(Method):
+class PlainSampling(Method):
     """Plain sampling: one token per step from the target's logits (after `sampling`'s processing)."""
 
     def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
@@ -117,7 +117,7 @@ class Sampling(Method):
 
 
 @dataclasses.dataclass(frozen=True)
-class ContrastiveDecoding(Sampling):
+class ContrastiveDecoding(PlainSampling):
     """Contrastive decoding (`jaxsr.decoding.contrast`): the expert and the amateur step together, one
     token per step from their contrast; the recorded log-probability is the expert's own."""
 

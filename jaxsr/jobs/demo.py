@@ -27,8 +27,8 @@ import numpy as np
 from jax import monitoring
 from tqdm.auto import tqdm
 
-from jaxsr.data import read_prompts
 from jaxsr.checks import check_positive_int, check_seed
+from jaxsr.data import read_prompts
 from jaxsr.decoding.api import contrastive_decode, speculative_contrastive_decode
 from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.decoding.sampling import SamplingConfig
@@ -132,9 +132,7 @@ def run_demo(
         pairs["CD"] += contrastive_decode(lm, amateur, [prompt], **run)
         bar.update()
         bar.set_description(f"#{index} SCD")
-        pairs["SCD"] += speculative_contrastive_decode(
-            lm, amateur, [prompt], gamma=gamma, **run
-        )
+        pairs["SCD"] += speculative_contrastive_decode(lm, amateur, [prompt], gamma=gamma, **run)
         bar.update()
     bar.close()
     emit(pair_report(pairs, gamma, count, max_new_tokens))

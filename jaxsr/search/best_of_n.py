@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from jaxsr.checks import check_positive_int
-from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Decoder, as_decoder, decode
+from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Sampler, as_sampler, decode
 from jaxsr.decoding.inputs import check_sampling, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
@@ -21,7 +21,7 @@ from jaxsr.search.memory import budget_slots
 
 
 def best_of_n(
-    model: Model | Decoder,
+    model: Model | Sampler,
     reward: Any,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
@@ -36,21 +36,21 @@ def best_of_n(
 ) -> list[Result]:
     """N samples per prompt, all scored; `Result.best` is the argmax, `Result.samples` all N.
 
-    `model` is a language model or a two-model `Decoder` (`jaxsr.speculative_decoder` etc.). With a
+    `model` is a language model or a two-model `Sampler` (`jaxsr.speculative_decoder` etc.). With a
     `memory_budget` (KV token slots or bytes) the N rows are decoded in chunks that fit it, prompt
     caches included (`stats["kv_bytes"]`: the caches of the batch a prompt was decoded in)."""
-    decoder = as_decoder(model, check_sampling(sampling))
+    sampler = as_sampler(model, check_sampling(sampling))
     reward = as_reward(reward)
     n = check_positive_int("n", n)
     request = prepare(
-        decoder.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
+        sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
-    lm, encoded, max_new_tokens = decoder.target, request.encoded, request.max_new_tokens
+    lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens
     max_rows = DEFAULT_MAX_ROWS
     if memory_budget is not None:
-        slots = budget_slots(memory_budget, decoder.slot_bytes)
-        per_row = bucket(max_new_tokens) + decoder.headroom
+        slots = budget_slots(memory_budget, sampler.slot_bytes)
+        per_row = bucket(max_new_tokens) + sampler.headroom
         prompt_slots = bucket(max(map(len, encoded)))
         if slots < prompt_slots + per_row:
             raise ValueError(
@@ -62,7 +62,7 @@ def best_of_n(
         prompts_per_batch = max(1, slots // (prompt_slots + samples * per_row))
         max_rows = min(max_rows, samples * (1 << (prompts_per_batch.bit_length() - 1)))
     t0 = time.perf_counter()
-    run = decode(decoder, request, num_samples=n, max_rows=max_rows)
+    run = decode(sampler, request, num_samples=n, max_rows=max_rows)
     sample_s = time.perf_counter() - t0
     results = []
     for prompt, ids, rows, st in zip(prompts, encoded, run.samples, run.stats, strict=True):
@@ -82,7 +82,7 @@ def best_of_n(
         )
         samples = [r.to_sample(t, float(s)) for r, t, s in zip(rows, texts, scores, strict=True)]
         st["token_forwards"]["reward"] = reward.token_forwards - forwards_before
-        st["kv_bytes"] = st["kv_slots"] * decoder.slot_bytes
+        st["kv_bytes"] = st["kv_slots"] * sampler.slot_bytes
         st["scoring_s"] = time.perf_counter() - t1
         st["wall_s"] = sample_s / len(encoded) + st["scoring_s"]
         results.append(Result(prompt=prompt, samples=samples, best=best(samples), stats=st))

@@ -23,14 +23,14 @@ cache (no re-tokenisation, no truncation to the shortest row) and padding is nev
 At least one pool member is kept (`min_keep=1`) where the reference's int(round(...)) can keep none
 and end the search on partial responses; `min_keep=0` restores that. When the memory cannot hold the
 kept unfinished rows at the tokens they already have (kept finished responses in the pool can leave
-more of them than the rule would of the live rows alone; a short first segment or a decoder's
+more of them than the rule would of the live rows alone; a short first segment or a sampler's
 look-ahead overshoot can leave too little room to grow), the lowest-ranked are also stopped, down to
 the widest rung that can grow (where none can, the search ends on this round's rows):
 `Result.stats["forced_rejections"]` and each decision's `forced` count them. With no finished
 response and a first segment of at least 16 tokens at a Best-of-N budget this does not happen.
 
-The rows may be decoded by a two-model decoder (`jaxsr.speculative_decoder` etc.): the budget then
-counts positions in both models' caches, each row keeps the decoder's look-ahead headroom (γ+1 slots)
+The rows may be decoded by a two-model sampler (`jaxsr.speculative_decoder` etc.): the budget then
+counts positions in both models' caches, each row keeps the sampler's look-ahead headroom (γ+1 slots)
 past its segment, and a speculative step may carry a row up to γ tokens past a decision point (its
 partial response is scored as it stands).
 """
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsr.checks import check_positive_int
-from jaxsr.decoding.driver import Decoder, as_decoder, raw_samples, row_inputs
+from jaxsr.decoding.driver import Sampler, as_sampler, raw_samples, row_inputs
 from jaxsr.decoding.inputs import Request, check_sampling, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.state import DecodeState, HostRows
@@ -222,7 +222,7 @@ class SearchConfig:
 
 
 def speculative_rejection(
-    model: Model | Decoder,
+    model: Model | Sampler,
     reward: Any,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
@@ -242,14 +242,14 @@ def speculative_rejection(
     prompt_offset: int = 0,
 ) -> list[Result]:
     """Speculative Rejection per prompt; `rejection_rate=0` with a budget that holds all n rows is
-    exactly `best_of_n` with the same seed. `model` is a language model or a two-model decoder. See
+    exactly `best_of_n` with the same seed. `model` is a language model or a two-model sampler. See
     the module docstring for the algorithm. `min_keep` floors each decision's keep count (1; 0 is the
     reference's count, which can stop every row).
 
     `min_prompt_bucket` pads every prompt to at least that many slots (a power of two), so prompts of
     different lengths share compiled programs (on accelerators, where compiles are costly); the padding
     counts against the memory budget."""
-    decoder = as_decoder(model, check_sampling(sampling))
+    sampler = as_sampler(model, check_sampling(sampling))
     reward = as_reward(reward)
     config = SearchConfig.checked(
         rejection_rate, rule, min_keep, decision_interval, min_first_segment, min_prompt_bucket
@@ -257,32 +257,32 @@ def speculative_rejection(
     if n is not None:
         n = check_positive_int("n", n)
     request = prepare(
-        decoder.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
+        sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
     results = []
     for i, (prompt, ids) in enumerate(zip(prompts, request.encoded, strict=True)):
-        plan = memory_plan(decoder, config, request, len(ids), n, memory_budget)
-        with decoder.on_mesh():
-            results.append(search_prompt(decoder, reward, config, request, plan, i, prompt))
+        plan = memory_plan(sampler, config, request, len(ids), n, memory_budget)
+        with sampler.on_mesh():
+            results.append(search_prompt(sampler, reward, config, request, plan, i, prompt))
     return results
 
 
 def memory_plan(
-    decoder: Decoder,
+    sampler: Sampler,
     config: SearchConfig,
     request: Request,
     prompt_len: int,
     n: int | None,
     memory_budget: Any,
 ) -> MemoryPlan:
-    """The memory plan of one prompt: its budget in slots of all of the decoder's caches."""
+    """The memory plan of one prompt: its budget in slots of all of the sampler's caches."""
     prompt_slots = bucket(prompt_len, config.min_prompt_bucket)
     max_new_tokens = request.max_new_tokens
-    fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + decoder.headroom)
-    budget = budget_slots(memory_budget, decoder.slot_bytes, fallback_slots=fallback, mesh=decoder.mesh)
+    fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
+    budget = budget_slots(memory_budget, sampler.slot_bytes, fallback_slots=fallback, mesh=sampler.mesh)
     return MemoryPlan(
-        budget, prompt_slots, max_new_tokens, n, config.rate, config.min_first_segment, decoder.headroom
+        budget, prompt_slots, max_new_tokens, n, config.rate, config.min_first_segment, sampler.headroom
     )
 
 
@@ -305,7 +305,7 @@ class Progress:
 
 
 def search_prompt(
-    decoder: Decoder,
+    sampler: Sampler,
     reward: Reward,
     config: SearchConfig,
     request: Request,
@@ -319,19 +319,19 @@ def search_prompt(
     t_start = time.perf_counter()
     ids = request.encoded[index]
     reward_before = reward.token_forwards
-    scorer = token_scorer(decoder.target, reward, prompt, request.max_new_tokens)
-    progress = Progress(forwards=dict.fromkeys(decoder.roles, plan.prompt_slots))
-    prefilled = prefill_prompt(decoder, ids, plan, progress)
-    state = first_rows(decoder, request, plan, request.prompt_offset + index, prefilled)
+    scorer = token_scorer(sampler.target, reward, prompt, request.max_new_tokens)
+    progress = Progress(forwards=dict.fromkeys(sampler.roles, plan.prompt_slots))
+    prefilled = prefill_prompt(sampler, ids, plan, progress)
+    state = first_rows(sampler, request, plan, request.prompt_offset + index, prefilled)
     while True:
-        state, host = decode_round(decoder, plan, config, state, prefilled[1], progress)
-        round_samples, live_rows = score_round(decoder, reward, scorer, prompt, ids, state, host, progress)
+        state, host = decode_round(sampler, plan, config, state, prefilled[1], progress)
+        round_samples, live_rows = score_round(sampler, reward, scorer, prompt, ids, state, host, progress)
         if host.done[host.alive].all():  # every row finished or reached max_new_tokens
             break
         survivors, rung = choose_survivors(plan, config, progress, round_samples, live_rows)
         if rung is None:  # nothing continues (or memory cannot hold a row further): stop here
             break
-        state = compact_survivors(decoder, plan, state, survivors, rung, progress)
+        state = compact_survivors(sampler, plan, state, survivors, rung, progress)
 
     final = sorted([*progress.book.permanent, *round_samples], key=lambda s: s.index)
     wall = time.perf_counter() - t_start
@@ -352,32 +352,32 @@ def search_prompt(
     return Result(prompt=prompt, samples=final, best=best(final), stats=stats)
 
 
-def prefill_prompt(decoder: Decoder, ids: list[int], plan: MemoryPlan, progress: Progress) -> Any:
+def prefill_prompt(sampler: Sampler, ids: list[int], plan: MemoryPlan, progress: Progress) -> Any:
     """The prompt's caches in every model, prefilled once (its slots padded to the plan's bucket)."""
     t0 = time.perf_counter()
     tokens, mask = left_pad([ids], 1, plan.prompt_slots)
-    prefilled = decoder.prefill(jnp.asarray(tokens), jnp.asarray(mask))
+    prefilled = sampler.prefill(jnp.asarray(tokens), jnp.asarray(mask))
     jax.block_until_ready(prefilled)
     progress.timings["prefill_s"] = time.perf_counter() - t0
     return prefilled
 
 
 def first_rows(
-    decoder: Decoder, request: Request, plan: MemoryPlan, prompt_id: int, prefilled: Any
+    sampler: Sampler, request: Request, plan: MemoryPlan, prompt_id: int, prefilled: Any
 ) -> DecodeState:
     """The first rung's rows, each with its first token (sample ids 0 … B0−1: Best-of-N's streams)."""
     rows = plan.ladder[0]
     inputs = row_inputs(
-        decoder.target, prompts=1, real_prompts=1, samples_per_prompt=padded_rows(rows, decoder.mesh),
+        sampler.target, prompts=1, real_prompts=1, samples_per_prompt=padded_rows(rows, sampler.mesh),
         live_per_prompt=rows, first_sample=0, num_samples=rows, max_new_tokens=request.max_new_tokens,
         seed=request.seed, first_prompt_id=prompt_id, stop_token_ids=request.stop_token_ids,
     )  # fmt: skip
     capacity = plan.capacity(rows) + plan.headroom
-    return decoder.init_state(prefilled, capacity=plan.max_slots, cache_capacity=capacity, **inputs)
+    return sampler.init_state(prefilled, capacity=plan.max_slots, cache_capacity=capacity, **inputs)
 
 
 def decode_round(
-    decoder: Decoder,
+    sampler: Sampler,
     plan: MemoryPlan,
     config: SearchConfig,
     state: DecodeState,
@@ -392,7 +392,7 @@ def decode_round(
         pause = min(pause, progress.generated + config.decision_interval)
     t0 = time.perf_counter()
     live = int(np.asarray(state.alive).sum())
-    state = decoder.decode_loop(state, prompts, jnp.asarray(pause, jnp.int32))
+    state = sampler.decode_loop(state, prompts, jnp.asarray(pause, jnp.int32))
     host = HostRows.read(state)
     seconds = time.perf_counter() - t0
     progress.timings["decode_s"] += seconds
@@ -405,19 +405,19 @@ def decode_round(
             "batch_size": batch,
             "live_rows": live,
             "steps": host.steps - progress.steps,
-            "kv_bytes": (plan.prompt_slots + batch * slots) * decoder.slot_bytes,
+            "kv_bytes": (plan.prompt_slots + batch * slots) * sampler.slot_bytes,
             "decode_s": seconds,
         }
     )
     seen = np.zeros_like(host.forwards) if progress.forwards_seen is None else progress.forwards_seen
-    for role, total, before in zip(decoder.roles, host.forwards, seen, strict=True):
+    for role, total, before in zip(sampler.roles, host.forwards, seen, strict=True):
         progress.forwards[role] += int(total - before) * batch
     progress.forwards_seen, progress.steps, progress.generated = host.forwards, host.steps, end
     return state, host
 
 
 def score_round(
-    decoder: Decoder,
+    sampler: Sampler,
     reward: Reward,
     scorer: Any,
     prompt: Any,
@@ -435,7 +435,7 @@ def score_round(
     if scorer is not None:
         on_device = np.asarray(scorer(state.tokens, state.num_generated - state.finished))[live_rows]
     scores, texts = score_rows(
-        decoder.target, reward, prompt, ids, [r.tokens for r in raws],
+        sampler.target, reward, prompt, ids, [r.tokens for r in raws],
         host.logprob_sum[live_rows], host.num_generated[live_rows], on_device,
     )  # fmt: skip
     samples = [r.to_sample(t, float(s)) for r, t, s in zip(raws, texts, scores, strict=True)]
@@ -467,7 +467,7 @@ def choose_survivors(
 
 
 def compact_survivors(
-    decoder: Decoder,
+    sampler: Sampler,
     plan: MemoryPlan,
     state: DecodeState,
     survivors: list[int],
@@ -476,10 +476,10 @@ def compact_survivors(
 ) -> DecodeState:
     """Gather the survivors into the rung's batch (padded with dead rows to the mesh) and cache length."""
     t0 = time.perf_counter()
-    size = padded_rows(rung, decoder.mesh)
+    size = padded_rows(rung, sampler.mesh)
     index = np.array(survivors + [survivors[0]] * (size - len(survivors)), np.int32)
     alive = np.arange(size) < len(survivors)
-    state = decoder.compact(
+    state = sampler.compact(
         state, jnp.asarray(index), jnp.asarray(alive), plan.capacity(rung) + plan.headroom
     )
     progress.timings["compaction_s"] += time.perf_counter() - t0
