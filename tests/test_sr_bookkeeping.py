@@ -14,7 +14,7 @@ import jaxsr
 from jaxsr.ladder import bucket
 from jaxsr.results import Sample
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.search.speculative_rejection import Book, _Plan, decide
+from jaxsr.search.speculative_rejection import Book, MemoryPlan, decide
 
 
 def reference_search(scores: np.ndarray, finished: np.ndarray, rate: float) -> tuple[set, int, list[set]]:
@@ -37,7 +37,7 @@ def reference_search(scores: np.ndarray, finished: np.ndarray, rate: float) -> t
 
 
 def decide_search(scores, finished, rate, min_keep=0):
-    """The same rounds through `decide`, as `_one_prompt` drives it."""
+    """The same rounds through `decide`, as `choose_survivors` drives it."""
     book, rows, history = Book(), list(range(scores.shape[1])), []
     for t in range(len(scores)):
         samples = [
@@ -125,7 +125,7 @@ def test_an_early_finished_answer_outranked_by_partials_is_still_chosen():
         assert_same_sample(sample, bon.samples[sample.index])
 
 
-def no_eos_decisions(plan: _Plan, room: int, max_new: int, rate: float, min_keep: int, overshoot: int):
+def no_eos_decisions(plan: MemoryPlan, room: int, max_new: int, rate: float, min_keep: int, overshoot: int):
     """The plan's decisions when no response finishes: each round fills its rung's cache (a speculative
     step may run `overshoot` tokens past it) and the rule keeps round((1-α)·rows). Yields whether the
     memory can hold the kept rows at the tokens generated, the kept count and the next rung."""
@@ -154,7 +154,7 @@ def test_the_plan_forces_a_rejection_only_where_the_memory_cannot_hold_the_kept_
         [16, 64], [144, 528, 1000, 1040, 4112], [40, 128, 256], [0, 4], [8, 16]
     ):
         try:
-            plan = _Plan(budget, prompt, max_new, None, rate, segment, headroom)
+            plan = MemoryPlan(budget, prompt, max_new, None, rate, segment, headroom)
         except ValueError:
             continue
         for overshoot in {0, max(headroom - 1, 0)}:
@@ -164,7 +164,7 @@ def test_the_plan_forces_a_rejection_only_where_the_memory_cannot_hold_the_kept_
                 assert rung == keep if fits else rung is None or rung < keep
     for max_new, n in itertools.product([32, 40, 128, 256, 512], [4, 8, 16]):
         budget = 16 + n * bucket(max_new)
-        plan = _Plan(budget, 16, max_new, None, rate, 16)
+        plan = MemoryPlan(budget, 16, max_new, None, rate, 16)
         assert all(fits for fits, _, _ in no_eos_decisions(plan, budget - 16, max_new, rate, min_keep, 0))
 
 
