@@ -24,8 +24,7 @@ def join_processes(coordinator: str | None, num_processes: int | None, process_i
 
 def run(config_path: str | None, overrides: list[str], progress: bool = True) -> Path:
     config = load_job_config(config_path, overrides)
-    solve, per_call = build_solver(config)
-    return run_job(config, solve, prompts_per_call=per_call, progress=progress)
+    return run_job(config, build_solver, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:

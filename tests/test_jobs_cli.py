@@ -21,7 +21,7 @@ from repository import copy_repository
 from jaxsr.cli import main
 from jaxsr.data import read_prompts
 from jaxsr.jobs.config import JobConfig, load_job_config
-from jaxsr.jobs.runner import job_file
+from jaxsr.jobs.runner import job_file, lock_path
 
 PROMPTS = ["Name a color.", "Say hi.", "Count to three.", "Pick a fruit."]
 
@@ -378,6 +378,64 @@ def test_an_output_written_with_a_header_line_resumes_in_the_new_form(job, capsy
     assert cli("run", str(path), "limit=3") == 2
     assert "different job" in capsys.readouterr().err
     assert not job_file(output).exists()
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from jaxsr.jobs.runner import holding
+with holding(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_job_on_a_held_output_is_refused_at_once_and_a_killed_holder_frees_it(job, capsys):
+    path, output = job
+    command = [sys.executable, "-c", HOLD_LOCK, str(output)]
+    holder = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        capsys.readouterr()
+        assert cli("run", str(path), "limit=3") == 2
+        err = capsys.readouterr().err
+        assert "output" in err and "another job" in err and f"pid {holder.pid}" in err
+        assert not output.exists() and not job_file(output).exists()  # refused before any work
+    finally:
+        holder.kill()  # SIGKILL: the operating system releases the lock
+        holder.wait()
+    assert cli("run", str(path), "limit=3") == 0
+    _, records = read_jsonl(output)
+    assert [r["index"] for r in records] == [0, 1, 2]
+    assert not lock_path(output).exists()  # a finished job leaves only its records and job file
+
+
+def test_two_concurrent_jobs_on_one_output_never_duplicate_a_record(job):
+    path, output = job
+    command = [sys.executable, "-m", "jaxsr.cli", "run", str(path), "limit=4", "--no-progress"]
+    runs = [subprocess.Popen(command, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    codes = sorted(run.wait(timeout=600) for run in runs)
+    errors = "".join(run.stderr.read() for run in runs)
+    assert codes in ([0, 0], [0, 2]), errors  # the second waits for nothing: it ran after, or refused
+    _, records = read_jsonl(output)
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(job, tmp_path, capsys):
+    path, _ = job
+    (tmp_path / "a_directory.jsonl").mkdir()
+    assert cli("run", str(path), f"output={tmp_path / 'a_directory.jsonl'}") == 2
+    assert "is a directory" in capsys.readouterr().err
+    locked = tmp_path / "read_only"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions: nothing to check here
+            return
+        assert cli("run", str(path), f"output={locked / 'x.jsonl'}") == 2
+        assert "cannot write" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o700)
 
 
 def test_output_of_another_job_is_refused(job, capsys):

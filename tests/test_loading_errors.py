@@ -220,3 +220,26 @@ def test_mesh_of_the_right_type_is_accepted(llama):
     """The counterpart of the wrong-mesh test: a real Mesh loads."""
     model = jaxsr.load_model(llama, mesh=make_mesh(data=8, model=1))
     assert model.mesh is not None
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.bool_])
+def test_a_weight_that_is_not_float_is_named(copy, dtype):
+    directory = copy()
+    name = "model.layers.0.mlp.down_proj.weight"
+    _rewrite(directory, lambda t: t.update({name: t[name].astype(dtype)}))
+    message = _refused(directory)
+    assert name in message and "float" in message
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_a_weight_holding_nan_or_inf_is_named(copy, value):
+    directory = copy()
+    name = "model.layers.1.self_attn.o_proj.weight"
+
+    def poison(tensors):
+        tensors[name] = tensors[name].copy()
+        tensors[name][0, 0] = value
+
+    _rewrite(directory, poison)
+    message = _refused(directory)
+    assert name in message and "NaN or infinite" in message

@@ -281,8 +281,17 @@ def test_a_reward_model_is_not_a_language_model():
         ({"temperature": float("nan")}, ValueError, "temperature"),
         ({"temperature": float("inf")}, ValueError, "temperature"),
         ({"temperature": -0.5}, ValueError, "temperature"),
+        ({"temperature": 1e-38}, ValueError, "temperature"),  # below the floor: logits/T overflow
+        ({"temperature": 0.99e-4}, ValueError, "temperature"),
     ],
 )
 def test_bad_sampling_config_is_refused(kwargs, error, name):
     with pytest.raises(error, match=name):
         SamplingConfig(**kwargs)
+
+
+def test_the_smallest_temperature_still_samples_the_argmax(lm):
+    """At the floor the processed logits stay finite: the draw is the greedy token, not token 0."""
+    cold = jaxsr.generate(lm, PROMPTS[:2], max_new_tokens=6, sampling=SamplingConfig(temperature=1e-4))
+    greedy = jaxsr.generate(lm, PROMPTS[:2], max_new_tokens=6, sampling=SamplingConfig(temperature=0))
+    assert [r.samples[0].token_ids for r in cold] == [r.samples[0].token_ids for r in greedy]

@@ -254,3 +254,24 @@ def test_the_first_segment_is_never_shorter_than_asked():
     first = r.stats["round_log"][0]
     assert first["end_token"] >= 12 and first["batch_size"] == 3
     assert all(x["kv_bytes"] <= budget * lm.kv_slot_bytes for x in r.stats["round_log"])
+
+
+class NaNReward:
+    """A reward that cannot rank one response."""
+
+    name = "nan-reward"
+    token_forwards = 0
+
+    def score(self, candidates):
+        scores = np.arange(len(candidates), dtype=np.float64)
+        scores[0] = np.nan
+        return scores
+
+
+@pytest.mark.parametrize("search", ["best_of_n", "speculative_rejection"])
+def test_a_non_finite_reward_is_refused_naming_the_reward(lm, search):
+    kwargs = dict(n=4, max_new_tokens=8)
+    if search == "speculative_rejection":
+        kwargs["memory_budget"] = 16 + 4 * 16
+    with pytest.raises(ValueError, match="reward: nan-reward returned a non-finite score"):
+        getattr(jaxsr, search)(lm, NaNReward(), PROMPTS[:1], **kwargs)

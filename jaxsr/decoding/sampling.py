@@ -14,6 +14,9 @@ import jax.numpy as jnp
 
 from jaxsr.models.layers import MASKED
 
+MIN_TEMPERATURE = 1e-4
+"""The smallest positive temperature: logits of O(10) over it stay far from float32's overflow."""
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -29,6 +32,11 @@ class SamplingConfig:
             raise TypeError(f"temperature: expected a number, got {type(self.temperature).__name__}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature: {self.temperature} is too small to divide float32 logits by (the floor is "
+                f"{MIN_TEMPERATURE}); use temperature=0 for greedy decoding"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise TypeError(f"top_k: expected an int, got {type(self.top_k).__name__}")
         if self.top_k < 0:

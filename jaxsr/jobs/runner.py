@@ -11,14 +11,22 @@ Several processes (hosts of a TPU pod or GPU VMs joined by `jax.distributed`) sp
 a contiguous block of the prompts on its own devices into its own part file next to the output, and
 when all are done process 0 merges the parts into the output (in prompt order) and removes them. The
 output's directory must be one that every host sees.
+
+One job per output: a running job holds an exclusive lock on each file it writes (`x.jsonl.lock` beside
+it, taken before any model is loaded); a second job on the same output is refused at once, naming the
+holder. The operating system releases the lock when the process dies, so a killed job resumes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import glob
 import json
 import os
+import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -146,6 +154,49 @@ class JsonlOutput:
         self.job_path.unlink(missing_ok=True)
 
 
+def lock_path(output: Path) -> Path:
+    return output.with_name(output.name + ".lock")
+
+
+@contextlib.contextmanager
+def holding(output: Path) -> Iterator[None]:
+    """Hold the exclusive lock of `output` for the block (see the module docstring). Refuses with a
+    ValueError naming the holder when another process holds it, or naming the path when the output
+    cannot be written there."""
+    if output.is_dir():
+        raise ValueError(f"output: {output} is a directory; give a .jsonl file path")
+    path = lock_path(output)
+    while True:
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ValueError(f"output: cannot write beside {output} ({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ValueError(
+                f"output: {output} is being written by another job ({holder}); wait for it to end or "
+                "choose another output"
+            ) from None
+        try:  # the holder before us may have removed the file after we opened it: lock the new one
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%F %T')}".encode())
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still holding it, so no one locks a file about to vanish
+        os.close(fd)
+
+
 def chunks(indices: list[int], size: int) -> Iterator[list[int]]:
     for start in range(0, len(indices), size):
         yield indices[start : start + size]
@@ -158,20 +209,40 @@ def part_path(output: Path, process: int, processes: int) -> Path:
 
 def run_job(
     config: JobConfig,
-    solve: Callable[[list[str], int], list[dict[str, Any]]],
+    build: Callable[[JobConfig], tuple[Callable[[list[str], int], list[dict[str, Any]]], int]],
     *,
-    prompts_per_call: int = 1,
     progress: bool = True,
 ) -> Path:
-    """Drive `solve(prompts, first_index) -> records` over the job's pending prompts (this process's
-    block of them when several processes run the job)."""
-    prompts = read_prompts(config.data, config.limit)
-    output = JsonlOutput(config.output, config)
+    """Run the job: lock the files this process writes, read the prompts, then build the solver
+    (`build(config) -> (solve, prompts per call)`, which loads the models) and drive
+    `solve(prompts, first_index) -> records` over the pending prompts (this process's block of them
+    when several processes run the job)."""
+    output_path, process, processes = Path(config.output), jax.process_index(), jax.process_count()
+    with contextlib.ExitStack() as held:
+        if process == 0:
+            held.enter_context(holding(output_path))
+        if processes > 1:
+            held.enter_context(holding(part_path(output_path, process, processes)))
+        prompts = read_prompts(config.data, config.limit)
+        output = JsonlOutput(output_path, config)
+        solve, prompts_per_call = build(config)
+        if processes == 1:
+            _merge_parts(output, config)  # parts left by a multi-process run
+            _solve_into(output, range(len(prompts)), prompts, solve, prompts_per_call, progress)
+            return output.path
+        return _run_part(output, config, prompts, solve, prompts_per_call, progress)
+
+
+def _run_part(
+    output: JsonlOutput,
+    config: JobConfig,
+    prompts: list[str],
+    solve: Callable[[list[str], int], list[dict[str, Any]]],
+    prompts_per_call: int,
+    progress: bool,
+) -> Path:
+    """This process's block of a multi-process job into its part file; process 0 then merges."""
     process, processes = jax.process_index(), jax.process_count()
-    if processes == 1:
-        _merge_parts(output, config)  # parts left by a multi-process run
-        _solve_into(output, range(len(prompts)), prompts, solve, prompts_per_call, progress)
-        return output.path
     block = range(process * len(prompts) // processes, (process + 1) * len(prompts) // processes)
     part = JsonlOutput(part_path(output.path, process, processes), config)
     for other in _part_files(output):  # records of earlier runs, whatever their process count

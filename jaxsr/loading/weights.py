@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsr.loading.safetensors import CheckpointError
@@ -171,6 +172,10 @@ def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) ->
             raise CheckpointError(f"missing tensor {full!r}")
         used.add(full)
         tensor = tensors[full]
+        if not jnp.issubdtype(tensor.dtype, jnp.floating):
+            raise CheckpointError(f"tensor {full!r} is stored as {tensor.dtype}, expected a float type")
+        if not np.isfinite(tensor).all():
+            raise CheckpointError(f"tensor {full!r} holds NaN or infinite values")
         if rule.shape is not None and tuple(tensor.shape) != rule.shape:
             raise CheckpointError(
                 f"tensor {full!r} has shape {tuple(tensor.shape)}, expected {rule.shape} for this "

@@ -49,7 +49,7 @@ def score_rows(
     """Reward of each (partial) response (unless already scored on device), and the decoded texts."""
     texts = text.decode_batch(model.tokenizer, token_lists)
     if scores is not None:
-        return np.asarray(scores, np.float64), texts
+        return check_finite(reward, np.asarray(scores, np.float64)), texts
     candidates = Candidates(
         prompt_text=prompt_text(model, prompt),
         prompt_ids=prompt_ids,
@@ -63,7 +63,17 @@ def score_rows(
         raise ValueError(
             f"reward: {reward.name} returned shape {scores.shape} for {len(token_lists)} responses"
         )
-    return scores, texts
+    return check_finite(reward, scores), texts
+
+
+def check_finite(reward: Reward, scores: np.ndarray) -> np.ndarray:
+    """Scores, refused when one is NaN or infinite (the search could not rank them)."""
+    bad = np.flatnonzero(~np.isfinite(scores))
+    if bad.size:
+        raise ValueError(
+            f"reward: {reward.name} returned a non-finite score ({scores[bad[0]]}) for response {bad[0]}"
+        )
+    return scores
 
 
 def best(samples: list[Sample]) -> Sample | None:
