@@ -146,6 +146,14 @@ class HostRows:
         host.steps = int(host.steps)
         return host
 
+    def take(self, rows: slice) -> HostRows:
+        """These rows' fields (the counters stay the state's)."""
+        counters = ("steps", "forwards")
+        per_row = {
+            f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self) if f.name not in counters
+        }
+        return dataclasses.replace(self, **per_row)
+
     def response(self, row: int) -> list[int]:
         """Row `row`'s generated tokens without its stop token."""
         return self.tokens[row, : int(self.num_generated[row]) - bool(self.finished[row])].tolist()

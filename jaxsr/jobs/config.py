@@ -48,9 +48,9 @@ SHARED_KEYS = frozenset(
         "mesh_model",
     ]
 )
-PLACEMENT_KEYS = ("output", "mesh_data", "mesh_model")
-"""Where a job writes and which devices run it: not part of what it computes (results are the same on
-any mesh), so a job may resume elsewhere."""
+PLACEMENT_KEYS = ("output", "mesh_data", "mesh_model", "concurrent_prompts")
+"""Where a job writes and how it uses its devices: not part of what it computes (results are the same
+on any mesh and with any number of prompts searched at once), so a job may resume elsewhere."""
 
 
 @dataclasses.dataclass
@@ -83,6 +83,10 @@ class JobConfig:
     beta: float = 0.5
     rejection_rate: float = 0.5
     memory_budget: int | str | None = None
+    """KV budget of each prompt's search (token slots or bytes); None derives it from the device."""
+    concurrent_prompts: int = 4
+    """speculative_rejection: prompts searched at once, each in its own budget, their rows decoded
+    together (with memory_budget=None the device's free memory is split among them)."""
     seed: int = 0
     dtype: str = "float32"
     chat: bool | None = None
@@ -107,7 +111,7 @@ class JobConfig:
                 raise ValueError(f"{field.name}: expected {names}, got {value!r}")
         if self.decoder is not None and self.decoder not in DECODERS:
             raise ValueError(f"decoder: expected one of {DECODERS} or None, got {self.decoder!r}")
-        for name in ("limit", "n", "mesh_model"):
+        for name in ("limit", "n", "mesh_model", "concurrent_prompts"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
         if self.mesh_data is not None and not (self.mesh_data == -1 or self.mesh_data >= 1):
@@ -129,7 +133,7 @@ class JobConfig:
             return SHARED_KEYS | {"num_samples", "draft", *DECODER_OPTIONS[PAIR_METHODS[self.method]]}
         keys = SHARED_KEYS | {"reward", "n", "memory_budget", "decoder"}
         if self.method == "speculative_rejection":
-            keys |= {"rejection_rate"}
+            keys |= {"rejection_rate", "concurrent_prompts"}
         if self.decoder is not None:
             keys |= {"draft", *DECODER_OPTIONS[self.decoder]}
         return keys

@@ -29,6 +29,9 @@ from jaxsr.search.speculative_rejection import speculative_rejection
 from jaxsr.sharding import make_mesh
 
 Solver = Callable[[list[str], int], list[dict[str, Any]]]
+SEARCH_CALL_ROUNDS = 4
+"""A speculative_rejection call takes this many prompts per prompt in flight: enough that a finished
+search's place is refilled most of the time, few enough that a killed job redoes little."""
 
 # the call of each two-model method, and the builder of each `decoder` the search methods run over
 PAIR_DECODE: dict[str, Callable[..., list]] = {
@@ -125,13 +128,16 @@ def build_solver(config: JobConfig) -> tuple[Solver, int]:
                 n=config.n,
                 rejection_rate=config.rejection_rate,
                 memory_budget=config.memory_budget,
+                concurrent_prompts=config.concurrent_prompts,
                 **kw,
             )
 
     def solve(prompts: list[str], first: int) -> list[dict[str, Any]]:
         return [r.to_dict() for r in run(prompts, prompt_offset=first, **common)]
 
-    if config.method in ("best_of_n", "speculative_rejection"):
+    if config.method == "speculative_rejection":  # a call keeps `concurrent_prompts` searches in flight
+        return solve, SEARCH_CALL_ROUNDS * config.concurrent_prompts
+    if config.method == "best_of_n":
         return solve, 1  # one prompt per call: a search fills the device with one prompt's rows
     # a call decodes as many prompts as fit one batch of DEFAULT_MAX_ROWS rows
     return solve, max(1, DEFAULT_MAX_ROWS // check_positive_int("num_samples", config.num_samples))

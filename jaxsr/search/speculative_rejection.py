@@ -1,9 +1,10 @@
 """Speculative Rejection (Sun, Haider, Zhang et al., NeurIPS 2024).
 
 Best-of-N that starts as wide as the KV memory budget allows and, whenever the cache segment is full
-(or every `decision_interval` tokens), scores the partial responses and stops the worst. One prompt
-at a time: its KV is prefilled once and shared by every row. Rows live in one fixed-shape decode
-state; finished and rejected rows are masked, and at each decision point the survivors are gathered
+(or every `decision_interval` tokens), scores the partial responses and stops the worst. Each prompt
+is searched within its own budget, its KV prefilled once and shared by every row (several prompts'
+searches can run at once, their rows decoded together: `jaxsr.search.packing`). Rows live in a
+fixed-shape decode state; finished and rejected rows are masked, and at each decision point the survivors are gathered
 into a rung of a static batch ladder B0 > round((1-α)·B0) > … (the rows the keep rule leaves when no
 response has finished; one row less where it would not shrink). A rung's row cache takes every slot
 the budget allows (the first rung's rounded down to a multiple of SLOT_ALIGN), so the rows the rule
@@ -237,6 +238,7 @@ def speculative_rejection(
     min_keep: int = 1,
     min_first_segment: int = 16,
     min_prompt_bucket: int = 16,
+    concurrent_prompts: int = 1,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
     prompt_offset: int = 0,
@@ -246,9 +248,17 @@ def speculative_rejection(
     the module docstring for the algorithm. `min_keep` floors each decision's keep count (1; 0 is the
     reference's count, which can stop every row).
 
+    `memory_budget` is each prompt's KV budget. `concurrent_prompts` prompts search at once, each within
+    its own budget (memory in use: up to `concurrent_prompts` budgets; with `memory_budget=None` the
+    device's free memory is split among them): the rows of prompts whose rounds have the same shapes
+    decode together in one batch, and a finished prompt's memory goes to the next prompt. Each prompt's
+    result is the one it gets searched alone with the same budget (`jaxsr.search.packing`).
+
     `min_prompt_bucket` pads every prompt to at least that many slots (a power of two), so prompts of
     different lengths share compiled programs (on accelerators, where compiles are costly); the padding
     counts against the memory budget."""
+    from jaxsr.search.packing import search_packed
+
     sampler = as_sampler(model, check_sampling(sampling))
     reward = as_reward(reward)
     config = SearchConfig.checked(
@@ -256,16 +266,23 @@ def speculative_rejection(
     )
     if n is not None:
         n = check_positive_int("n", n)
+    concurrent_prompts = check_positive_int("concurrent_prompts", concurrent_prompts)
     request = prepare(
         sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
-    results = []
-    for i, (prompt, ids) in enumerate(zip(prompts, request.encoded, strict=True)):
-        plan = memory_plan(sampler, config, request, len(ids), n, memory_budget)
-        with sampler.on_mesh():
-            results.append(search_prompt(sampler, reward, config, request, plan, i, prompt))
-    return results
+    # every prompt's plan before any decoding: a prompt that cannot fit its budget is refused up front
+    plans = [
+        memory_plan(sampler, config, request, len(ids), n, memory_budget, concurrent_prompts)
+        for ids in request.encoded
+    ]
+    searches = [
+        PromptSearch(sampler, reward, config, request, plan, i, prompt)
+        for i, (plan, prompt) in enumerate(zip(plans, prompts, strict=True))
+    ]
+    with sampler.on_mesh():
+        search_packed(sampler, searches, concurrent_prompts)
+    return [s.result() for s in searches]
 
 
 def memory_plan(
@@ -275,212 +292,190 @@ def memory_plan(
     prompt_len: int,
     n: int | None,
     memory_budget: Any,
+    concurrent_prompts: int = 1,
 ) -> MemoryPlan:
-    """The memory plan of one prompt: its budget in slots of all of the sampler's caches."""
+    """The memory plan of one prompt: its budget in slots of all of the sampler's caches (a share of
+    the device's free memory when no budget is given)."""
     prompt_slots = bucket(prompt_len, config.min_prompt_bucket)
     max_new_tokens = request.max_new_tokens
     fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
     budget = budget_slots(memory_budget, sampler.slot_bytes, fallback_slots=fallback, mesh=sampler.mesh)
+    if memory_budget is None and fallback is None:
+        budget //= concurrent_prompts  # derived from the device: shared by the prompts in flight
     return MemoryPlan(
         budget, prompt_slots, max_new_tokens, n, config.rate, config.min_first_segment, sampler.headroom
     )
 
 
-@dataclasses.dataclass
-class Progress:
-    """One prompt's search on the host: its timers, work counters, logs and finished responses."""
+class PromptSearch:
+    """One prompt's search, in named steps a scheduler drives (`packing.search_packed`): `start`
+    (prefill, first rows), then rounds of decode (`begin_round`, then `read_round` on its rows), `score`,
+    `decide` and `compact` — until every row is done or nothing continues; then `result`. On a mesh each
+    rung's batch is padded with dead rows so that it splits over the `data` shards (the plan, and so the
+    result, stays the same)."""
 
-    forwards: dict[str, int]
-    timings: dict[str, float] = dataclasses.field(
-        default_factory=lambda: dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
-    )
-    book: Book = dataclasses.field(default_factory=Book)
-    rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    decisions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    generated: int = 1
-    """The longest live row's tokens at the last decision point."""
-    steps: int = 0
-    forwards_seen: np.ndarray | None = None
-    """The state's per-model position counters when last read (they accumulate across rounds)."""
+    def __init__(
+        self,
+        sampler: Sampler,
+        reward: Reward,
+        config: SearchConfig,
+        request: Request,
+        plan: MemoryPlan,
+        index: int,
+        prompt: Any,
+    ):
+        self.sampler, self.reward, self.config, self.request, self.plan = (
+            sampler,
+            reward,
+            config,
+            request,
+            plan,
+        )
+        self.index, self.prompt, self.ids = index, prompt, request.encoded[index]
+        self.forwards = dict.fromkeys(sampler.roles, plan.prompt_slots)
+        self.timings = dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
+        self.book = Book()
+        self.rounds: list[dict[str, Any]] = []
+        self.decisions: list[dict[str, Any]] = []
+        self.generated = 1
+        """The longest live row's tokens at the last decision point."""
+        self.round_samples: list[Sample] = []
+        self.finished = False
+        self.state: DecodeState | None = None
+        self.prompts: tuple = ()
+        """The prompt's caches in every model (prefilled once)."""
+        self.wall = 0.0
+        self._reward_forwards = 0
 
+    # -- steps ---------------------------------------------------------------------------------------
 
-def search_prompt(
-    sampler: Sampler,
-    reward: Reward,
-    config: SearchConfig,
-    request: Request,
-    plan: MemoryPlan,
-    index: int,
-    prompt: Any,
-) -> Result:
-    """One prompt's search: decode a round, score it, decide, compact the survivors — until every row
-    is done or nothing continues. On a mesh each rung's batch is padded with dead rows so that it splits
-    over the `data` shards (the plan, and so the result, stays the same)."""
-    t_start = time.perf_counter()
-    ids = request.encoded[index]
-    reward_before = reward.token_forwards
-    scorer = token_scorer(sampler.target, reward, prompt, request.max_new_tokens)
-    progress = Progress(forwards=dict.fromkeys(sampler.roles, plan.prompt_slots))
-    prefilled = prefill_prompt(sampler, ids, plan, progress)
-    state = first_rows(sampler, request, plan, request.prompt_offset + index, prefilled)
-    while True:
-        state, host = decode_round(sampler, plan, config, state, prefilled[1], progress)
-        round_samples, live_rows = score_round(sampler, reward, scorer, prompt, ids, state, host, progress)
-        if host.done[host.alive].all():  # every row finished or reached max_new_tokens
-            break
-        survivors, rung = choose_survivors(plan, config, progress, round_samples, live_rows)
-        if rung is None:  # nothing continues (or memory cannot hold a row further): stop here
-            break
-        state = compact_survivors(sampler, plan, state, survivors, rung, progress)
+    def start(self) -> None:
+        """Prefill the prompt in every model (its slots padded to the plan's bucket) and set up the first
+        rung's rows, each with its first token (sample ids 0 … B0−1: Best-of-N's random streams)."""
+        t0 = time.perf_counter()
+        sampler, plan, request = self.sampler, self.plan, self.request
+        self.scorer = token_scorer(sampler.target, self.reward, self.prompt, request.max_new_tokens)
+        tokens, mask = left_pad([self.ids], 1, plan.prompt_slots)
+        prefilled = sampler.prefill(jnp.asarray(tokens), jnp.asarray(mask))
+        jax.block_until_ready(prefilled)
+        self.prompts = prefilled[1]
+        rows = plan.ladder[0]
+        inputs = row_inputs(
+            sampler.target, prompts=1, real_prompts=1, samples_per_prompt=padded_rows(rows, sampler.mesh),
+            live_per_prompt=rows, first_sample=0, num_samples=rows, max_new_tokens=request.max_new_tokens,
+            seed=request.seed, first_prompt_id=request.prompt_offset + self.index,
+            stop_token_ids=request.stop_token_ids,
+        )  # fmt: skip
+        capacity = plan.capacity(rows) + plan.headroom
+        self.state = sampler.init_state(prefilled, capacity=plan.max_slots, cache_capacity=capacity, **inputs)
+        self.timings["prefill_s"] = time.perf_counter() - t0
 
-    final = sorted([*progress.book.permanent, *round_samples], key=lambda s: s.index)
-    wall = time.perf_counter() - t_start
-    stats = {
-        "wall_s": wall,
-        **progress.timings,
-        "host_s": wall - sum(progress.timings.values()),
-        "token_forwards": {**progress.forwards, "reward": reward.token_forwards - reward_before},
-        "rounds": len(progress.rounds),
-        "batch_sizes": [r["live_rows"] for r in progress.rounds],
-        "kv_bytes": [r["kv_bytes"] for r in progress.rounds],
-        "round_log": progress.rounds,
-        "initial_batch": plan.ladder[0],
-        "memory_budget_slots": plan.budget,
-        "decisions": progress.decisions,
-        "forced_rejections": sum(d["forced"] for d in progress.decisions),
-    }
-    return Result(prompt=prompt, samples=final, best=best(final), stats=stats)
+    def shape(self) -> tuple[int, ...]:
+        """What fixes the compiled shapes of this prompt's next round: searches with equal shapes can
+        decode in one batch."""
+        return (self.state.tokens.shape[0], self.state.rows[0].capacity, self.plan.prompt_slots)
 
+    def begin_round(self) -> int:
+        """The token count this round decodes to: the rung's cache segment is full (or the decision
+        interval is reached, or the budget)."""
+        self._live = int(np.asarray(self.state.alive).sum())
+        self._slots = slots = self.state.rows[0].capacity  # segment + look-ahead headroom
+        pause = min(self.plan.max_new_tokens, slots - self.plan.headroom + 1)
+        if self.config.decision_interval is not None:
+            pause = min(pause, self.generated + self.config.decision_interval)
+        return pause
 
-def prefill_prompt(sampler: Sampler, ids: list[int], plan: MemoryPlan, progress: Progress) -> Any:
-    """The prompt's caches in every model, prefilled once (its slots padded to the plan's bucket)."""
-    t0 = time.perf_counter()
-    tokens, mask = left_pad([ids], 1, plan.prompt_slots)
-    prefilled = sampler.prefill(jnp.asarray(tokens), jnp.asarray(mask))
-    jax.block_until_ready(prefilled)
-    progress.timings["prefill_s"] = time.perf_counter() - t0
-    return prefilled
+    def read_round(
+        self, state: DecodeState, host: HostRows, seconds: float, steps: int, forwards: np.ndarray
+    ):
+        """Take the round's decoded rows back (`host`: their fields on the host) and log the round:
+        `steps` decode steps ran over these rows, `forwards` positions per row through each model."""
+        batch, slots = len(host.alive), self._slots
+        end = int(host.num_generated[host.alive].max(initial=self.generated))
+        self.rounds.append(
+            {
+                "start_token": self.generated,
+                "end_token": end,
+                "batch_size": batch,
+                "live_rows": self._live,
+                "steps": steps,
+                "kv_bytes": (self.plan.prompt_slots + batch * slots) * self.sampler.slot_bytes,
+                "decode_s": seconds,
+            }
+        )
+        self.timings["decode_s"] += seconds
+        for role, n in zip(self.sampler.roles, forwards, strict=True):
+            self.forwards[role] += int(n) * batch
+        self.state, self.host, self.generated = state, host, end
 
+    def score(self) -> None:
+        """Every live row of the round as a scored `Sample` (partial or complete). An on-device scorer
+        reads the decode buffer where it lies."""
+        t0 = time.perf_counter()
+        before = self.reward.token_forwards
+        host, state = self.host, self.state
+        live_rows = np.flatnonzero(host.alive)
+        raws = raw_samples(host, live_rows)
+        on_device = None
+        if self.scorer is not None:
+            on_device = np.asarray(self.scorer(state.tokens, state.num_generated - state.finished))[live_rows]
+        scores, texts = score_rows(
+            self.sampler.target, self.reward, self.prompt, self.ids, [r.tokens for r in raws],
+            host.logprob_sum[live_rows], host.num_generated[live_rows], on_device,
+        )  # fmt: skip
+        self.round_samples = [r.to_sample(t, float(s)) for r, t, s in zip(raws, texts, scores, strict=True)]
+        self.live_rows = live_rows
+        self._reward_forwards += self.reward.token_forwards - before
+        self.timings["scoring_s"] += time.perf_counter() - t0
 
-def first_rows(
-    sampler: Sampler, request: Request, plan: MemoryPlan, prompt_id: int, prefilled: Any
-) -> DecodeState:
-    """The first rung's rows, each with its first token (sample ids 0 … B0−1: Best-of-N's streams)."""
-    rows = plan.ladder[0]
-    inputs = row_inputs(
-        sampler.target, prompts=1, real_prompts=1, samples_per_prompt=padded_rows(rows, sampler.mesh),
-        live_per_prompt=rows, first_sample=0, num_samples=rows, max_new_tokens=request.max_new_tokens,
-        seed=request.seed, first_prompt_id=prompt_id, stop_token_ids=request.stop_token_ids,
-    )  # fmt: skip
-    capacity = plan.capacity(rows) + plan.headroom
-    return sampler.init_state(prefilled, capacity=plan.max_slots, cache_capacity=capacity, **inputs)
+    def decide(self) -> None:
+        """A decision point: the reference's bookkeeping (`decide`), the rung the continuing rows go to,
+        and the survivors gathered there — or the search ends (every row done, or nothing continues, or
+        memory cannot hold a row further). Logs the decision with its forced rejections and effective
+        rate."""
+        if self.host.done[self.host.alive].all():  # every row finished or reached max_new_tokens
+            return self._finish()
+        config, plan = self.config, self.plan
+        book, continuing, decision = decide(
+            self.book, self.round_samples, config.rate, config.rule, config.min_keep
+        )
+        rung = plan.next_rung(len(continuing), self.generated) if continuing else None
+        decision["forced"] = len(continuing) - (0 if rung is None else min(rung, len(continuing)))
+        decision["rate"] = 1 - (decision["kept"] - decision["forced"]) / decision["pool"]
+        self.decisions.append({"token": self.generated, **decision})
+        if rung is None:
+            return self._finish()
+        self.book = book
+        self.compact(sorted(int(self.live_rows[j]) for j in continuing[:rung]), rung)
 
+    def compact(self, survivors: list[int], rung: int) -> None:
+        """Gather the survivors into the rung's batch (padded with dead rows to the mesh) and cache."""
+        t0 = time.perf_counter()
+        size = padded_rows(rung, self.sampler.mesh)
+        index = np.array(survivors + [survivors[0]] * (size - len(survivors)), np.int32)
+        alive = np.arange(size) < len(survivors)
+        capacity = self.plan.capacity(rung) + self.plan.headroom
+        self.state = self.sampler.compact(self.state, jnp.asarray(index), jnp.asarray(alive), capacity)
+        self.timings["compaction_s"] += time.perf_counter() - t0
 
-def decode_round(
-    sampler: Sampler,
-    plan: MemoryPlan,
-    config: SearchConfig,
-    state: DecodeState,
-    prompts: tuple,
-    progress: Progress,
-) -> tuple[DecodeState, HostRows]:
-    """Decode until the rung's cache segment is full (or the decision interval, or every row is done),
-    then read the rows to the host in one transfer and log the round."""
-    slots = state.rows[0].capacity  # segment + look-ahead headroom
-    pause = min(plan.max_new_tokens, slots - plan.headroom + 1)
-    if config.decision_interval is not None:
-        pause = min(pause, progress.generated + config.decision_interval)
-    t0 = time.perf_counter()
-    live = int(np.asarray(state.alive).sum())
-    state = sampler.decode_loop(state, prompts, jnp.asarray(pause, jnp.int32))
-    host = HostRows.read(state)
-    seconds = time.perf_counter() - t0
-    progress.timings["decode_s"] += seconds
-    batch = len(host.alive)
-    end = int(host.num_generated[host.alive].max(initial=progress.generated))
-    progress.rounds.append(
-        {
-            "start_token": progress.generated,
-            "end_token": end,
-            "batch_size": batch,
-            "live_rows": live,
-            "steps": host.steps - progress.steps,
-            "kv_bytes": (plan.prompt_slots + batch * slots) * sampler.slot_bytes,
-            "decode_s": seconds,
+    def _finish(self) -> None:
+        self.final = sorted([*self.book.permanent, *self.round_samples], key=lambda s: s.index)
+        self.finished, self.state, self.prompts, self.host = True, None, (), None  # free the caches
+
+    def result(self) -> Result:
+        timings = self.timings
+        stats = {
+            "wall_s": self.wall,
+            **timings,
+            "host_s": self.wall - sum(timings.values()),
+            "token_forwards": {**self.forwards, "reward": self._reward_forwards},
+            "rounds": len(self.rounds),
+            "batch_sizes": [r["live_rows"] for r in self.rounds],
+            "kv_bytes": [r["kv_bytes"] for r in self.rounds],
+            "round_log": self.rounds,
+            "initial_batch": self.plan.ladder[0],
+            "memory_budget_slots": self.plan.budget,
+            "decisions": self.decisions,
+            "forced_rejections": sum(d["forced"] for d in self.decisions),
         }
-    )
-    seen = np.zeros_like(host.forwards) if progress.forwards_seen is None else progress.forwards_seen
-    for role, total, before in zip(sampler.roles, host.forwards, seen, strict=True):
-        progress.forwards[role] += int(total - before) * batch
-    progress.forwards_seen, progress.steps, progress.generated = host.forwards, host.steps, end
-    return state, host
-
-
-def score_round(
-    sampler: Sampler,
-    reward: Reward,
-    scorer: Any,
-    prompt: Any,
-    ids: list[int],
-    state: DecodeState,
-    host: HostRows,
-    progress: Progress,
-) -> tuple[list[Sample], np.ndarray]:
-    """Every live row of the round as a scored `Sample` (partial or complete), and the rows' indices.
-    An on-device scorer reads the decode buffer where it lies."""
-    t0 = time.perf_counter()
-    live_rows = np.flatnonzero(host.alive)
-    raws = raw_samples(host, live_rows)
-    on_device = None
-    if scorer is not None:
-        on_device = np.asarray(scorer(state.tokens, state.num_generated - state.finished))[live_rows]
-    scores, texts = score_rows(
-        sampler.target, reward, prompt, ids, [r.tokens for r in raws],
-        host.logprob_sum[live_rows], host.num_generated[live_rows], on_device,
-    )  # fmt: skip
-    samples = [r.to_sample(t, float(s)) for r, t, s in zip(raws, texts, scores, strict=True)]
-    progress.timings["scoring_s"] += time.perf_counter() - t0
-    return samples, live_rows
-
-
-def choose_survivors(
-    plan: MemoryPlan,
-    config: SearchConfig,
-    progress: Progress,
-    round_samples: list[Sample],
-    live_rows: np.ndarray,
-) -> tuple[list[int], int | None]:
-    """A decision point: the reference's bookkeeping (`decide`), then the rung the continuing rows go
-    to (None: the search ends on this round). Returns the surviving rows (state indices, in order) and
-    the rung, and logs the decision with its forced rejections and effective rate."""
-    book, continuing, decision = decide(
-        progress.book, round_samples, config.rate, config.rule, config.min_keep
-    )
-    rung = plan.next_rung(len(continuing), progress.generated) if continuing else None
-    decision["forced"] = len(continuing) - (0 if rung is None else min(rung, len(continuing)))
-    decision["rate"] = 1 - (decision["kept"] - decision["forced"]) / decision["pool"]
-    progress.decisions.append({"token": progress.generated, **decision})
-    if rung is None:
-        return [], None
-    progress.book = book
-    return sorted(int(live_rows[j]) for j in continuing[:rung]), rung
-
-
-def compact_survivors(
-    sampler: Sampler,
-    plan: MemoryPlan,
-    state: DecodeState,
-    survivors: list[int],
-    rung: int,
-    progress: Progress,
-) -> DecodeState:
-    """Gather the survivors into the rung's batch (padded with dead rows to the mesh) and cache length."""
-    t0 = time.perf_counter()
-    size = padded_rows(rung, sampler.mesh)
-    index = np.array(survivors + [survivors[0]] * (size - len(survivors)), np.int32)
-    alive = np.arange(size) < len(survivors)
-    state = sampler.compact(
-        state, jnp.asarray(index), jnp.asarray(alive), plan.capacity(rung) + plan.headroom
-    )
-    progress.timings["compaction_s"] += time.perf_counter() - t0
-    return state
+        return Result(prompt=self.prompt, samples=self.final, best=best(self.final), stats=stats)

@@ -1,0 +1,146 @@
+"""A Speculative Rejection dataset job on this machine: batched Best-of-N at several N, SR one prompt
+at a time, and SR with several prompts in flight (`concurrent_prompts`), side by side in one run.
+
+SmolLM2-135M-Instruct generates (T=1, top-k 50); the reward is all-MiniLM-L6-v2 prompt/response
+relevance; AlpacaFarm prompts of the 64-token bucket. SR runs at Best-of-8's KV memory per prompt.
+Per method: wall seconds per prompt (JAX compile time left out, from `jax.monitoring`), mean best
+reward, and the paper's score with Best-of-8 as the base (100·(1 + mean over prompts of
+(max s − max s_Bo8)/(max s_Bo8 − min s_Bo8))). Speedup at equal score: Best-of-N's wall time
+interpolated (log-linear in wall time) at the method's score ÷ the method's wall time.
+
+    python -m benchmarks.bench_sr_job [--prompts 24] [--max-new-tokens 64] [--ns 8 16 32]
+        [--rate 0.5] [--concurrent 4 8] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+
+import jaxsr
+from benchmarks.bench_speculative_rejection import interpolate_compute, paper_score
+from benchmarks.common import RESULTS, table, write_result
+from jaxsr.data import read_prompts
+from jaxsr.decoding.inputs import encode_prompts
+from jaxsr.jobs.demo import CompileClock
+from jaxsr.jobs.methods import resolve_model, resolve_reward
+from jaxsr.ladder import bucket
+
+BUCKET = 64
+SAMPLING = jaxsr.SamplingConfig(temperature=1.0, top_k=50, top_p=1.0)
+
+
+def timed(clock: CompileClock, call) -> tuple[list[jaxsr.Result], float]:
+    """The call's results and its wall seconds less the time JAX spent compiling during it."""
+    start = time.time()
+    results = call()
+    end = time.time()
+    return results, end - start - clock.seconds(start, end)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--ns", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--rate", type=float, default=0.5)
+    parser.add_argument("--concurrent", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default="sr_job")
+    args = parser.parse_args()
+
+    lm = resolve_model("smollm2", "float32")
+    reward = resolve_reward("minilm", "float32")
+    in_bucket = (
+        p for p in read_prompts("alpaca_farm_eval") if bucket(len(encode_prompts(lm, [p])[0])) == BUCKET
+    )
+    prompts = list(itertools.islice(in_bucket, args.prompts))
+    budget = BUCKET + 8 * bucket(args.max_new_tokens)  # Best-of-8's KV slots
+    common = dict(max_new_tokens=args.max_new_tokens, sampling=SAMPLING, seed=args.seed)
+    runs: dict[str, tuple[list[jaxsr.Result], float]] = {}
+    with CompileClock() as clock:
+        for n in sorted(args.ns):
+            runs[f"Best-of-{n}"] = timed(
+                clock, lambda n=n: jaxsr.best_of_n(lm, reward, prompts, n=n, **common)
+            )
+            print(f"Best-of-{n}: {runs[f'Best-of-{n}'][1]:.1f} s", flush=True)
+        for concurrent in [1, *args.concurrent]:
+            name = f"SR α={args.rate}, {concurrent} prompt{'s' if concurrent > 1 else ''} in flight"
+            call = lambda c=concurrent: jaxsr.speculative_rejection(
+                lm, reward, prompts, rejection_rate=args.rate, memory_budget=budget, concurrent_prompts=c,
+                **common,
+            )  # fmt: skip
+            runs[name] = timed(clock, call)
+            print(f"{name}: {runs[name][1]:.1f} s", flush=True)
+
+    def best(results: list[jaxsr.Result]) -> np.ndarray:
+        return np.array([r.best.score for r in results])
+
+    base = runs[f"Best-of-{min(args.ns)}"][0]
+    base_best, base_worst = best(base), np.array([min(s.score for s in r.samples) for r in base])
+    rows: list[dict[str, Any]] = []
+    for name, (results, seconds) in runs.items():
+        rows.append(
+            {
+                "method": name,
+                "wall_s_per_prompt": seconds / len(prompts),
+                "mean_best_reward": float(best(results).mean()),
+                "score": paper_score(best(results), base_best, base_worst),
+            }
+        )
+    curve = [(r["wall_s_per_prompt"], r["score"]) for r in rows if r["method"].startswith("Best-of")]
+    largest = rows[len(args.ns) - 1]
+    for row in rows:
+        equal, lower_bound = interpolate_compute(row["score"], curve)
+        row["speedup_at_equal_score"] = equal / row["wall_s_per_prompt"]
+        row["speedup_is_lower_bound"] = lower_bound
+        row["wall_vs_largest_bon"] = row["wall_s_per_prompt"] / largest["wall_s_per_prompt"]
+    columns = [
+        "method",
+        "wall_s_per_prompt",
+        "mean_best_reward",
+        "score",
+        "speedup_at_equal_score",
+        "wall_vs_largest_bon",
+    ]
+    print(table(rows, columns))
+    plot(rows, args)
+    path = write_result(
+        args.name,
+        {"prompts": len(prompts), "memory_budget_slots": budget, "args": vars(args), "rows": rows},
+    )
+    print(f"wrote {path}")
+
+
+def plot(rows: list[dict[str, Any]], args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    bon = [r for r in rows if r["method"].startswith("Best-of")]
+    ax.plot(
+        [r["wall_s_per_prompt"] for r in bon], [r["score"] for r in bon], "o-", label="Best-of-N, batched"
+    )
+    for r in bon:
+        ax.annotate(r["method"].removeprefix("Best-of-"), (r["wall_s_per_prompt"], r["score"]))
+    for r in rows:
+        if not r["method"].startswith("Best-of"):
+            ax.plot(r["wall_s_per_prompt"], r["score"], "s", label=r["method"])
+    ax.set_xscale("log")
+    ax.set_xlabel("wall seconds per prompt (this CPU, compile time left out)")
+    ax.set_ylabel("score (Best-of-8 = 100)")
+    ax.set_title(f"SR job: {args.prompts} AlpacaFarm prompts, {args.max_new_tokens} new tokens")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(RESULTS / f"{args.name}.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
