@@ -568,6 +568,30 @@ def test_speculative_rejection_job(job):
         check_best(record)
 
 
+def test_a_speculative_rejection_job_packs_prompts_and_resumes_with_another_packing(job):
+    """concurrent_prompts changes how the job runs, not what it computes: the records of 1 and 3
+    prompts in flight are the same, and a job started with one resumes with the other."""
+    path, output = job
+    overrides = [
+        "method=speculative_rejection", "num_samples=1", "reward=self_likelihood", "n=8",
+        "rejection_rate=0.5", "memory_budget=192", "max_new_tokens=32", "limit=4",
+    ]  # fmt: skip
+    assert cli("run", str(path), *overrides, "concurrent_prompts=1") == 0
+    alone = output.read_text()
+    lines = alone.splitlines(keepends=True)
+    output.write_text("".join(lines[:1]))  # killed after the first record
+    assert cli("run", str(path), *overrides, "concurrent_prompts=3") == 0
+    _, records = read_jsonl(output)
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
+    exact = ("token_ids", "text", "finished", "index")
+    for record, reference in zip(records, parse_records(alone), strict=True):
+        ours, theirs = [*record["samples"], record["best"]], [*reference["samples"], reference["best"]]
+        for got, want in zip(ours, theirs, strict=True):
+            assert {k: got[k] for k in exact} == {k: want[k] for k in exact}
+            # the rows of a stack decode in another batch shape: float32 rounding of the scores
+            assert got["score"] == pytest.approx(want["score"], rel=1e-5, abs=1e-6)
+
+
 def test_config_file_is_not_modified(job):
     path, _ = job
     before = path.read_text()
