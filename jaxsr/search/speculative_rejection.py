@@ -4,12 +4,12 @@ Best-of-N that starts as wide as the KV memory budget allows and, whenever the c
 (or every `decision_interval` tokens), scores the partial responses and stops the worst. Each prompt
 is searched within its own budget, its KV prefilled once and shared by every row (several prompts'
 searches can run at once, their rows decoded together: `jaxsr.search.packing`). Rows live in a
-fixed-shape decode state; finished and rejected rows are masked, and at each decision point the survivors are gathered
-into a rung of a static batch ladder B0 > round((1-α)·B0) > … (the rows the keep rule leaves when no
-response has finished; one row less where it would not shrink). A rung's row cache takes every slot
-the budget allows (the first rung's rounded down to a multiple of SLOT_ALIGN), so the rows the rule
-keeps fit the next rung and grow there whenever the memory can hold them; each rung is one compiled
-shape. Survivors are never re-prefilled.
+fixed-shape decode state; finished and rejected rows are masked, and at each decision point the
+survivors are gathered into a rung of a static batch ladder B0 > round((1-α)·B0) > … (the rows the
+keep rule leaves when no response has finished; one row less where it would not shrink). A rung's
+row cache takes every slot the budget allows (the first rung's rounded down to a multiple of
+SLOT_ALIGN), so the rows the rule keeps fit the next rung and grow there whenever the memory can
+hold them; each rung is one compiled shape. Survivors are never re-prefilled.
 
 Bookkeeping (the reference implementation's, `decide`): the pool of a decision point is the finished
 responses kept at the previous one plus every row of this round, ranked by reward; the
