@@ -99,6 +99,7 @@ def measure(lm, reward, prompt: str, i: int, args, common: dict[str, Any]) -> di
             "token_forwards": sr.stats["token_forwards"],
             "batch_sizes": sr.stats["batch_sizes"],
             "round_log": sr.stats["round_log"],
+            "decisions": sr.stats["decisions"],
             "timings": {
                 k: sr.stats[k] for k in ("prefill_s", "decode_s", "scoring_s", "compaction_s", "host_s")
             },
@@ -153,7 +154,9 @@ def main() -> None:
         write_result(args.name, {"config": vars(args), "partial": True, "per_prompt": per_prompt})
 
     rows = summarise(per_prompt, args)
-    print(table(rows, ["method", "score", "rel_forwards", "rel_wall", "speedup_forwards", "speedup_wall"]))
+    columns = ["method", "effective_alpha", "score", "rel_forwards", "rel_wall"]
+    columns += ["speedup_forwards", "speedup_wall"]
+    print(table(rows, columns))
     correlations = {}
     if "spearman_partial_final" in per_prompt[0]:
         for t in per_prompt[0]["spearman_partial_final"]:
@@ -176,6 +179,15 @@ def main() -> None:
     )
     plot(per_prompt, rows, args, path.with_suffix(""))
     print(f"wrote {path}")
+
+
+def effective_rates(decisions: list[list[dict[str, Any]]], first: int = 4) -> str:
+    """The mean effective rejection rate of each of the first decisions over prompts ("0.50/0.48/…")."""
+    means = []
+    for d in range(min(first, max(map(len, decisions), default=0))):
+        rates = [p[d]["rate"] for p in decisions if len(p) > d]
+        means.append(f"{np.mean(rates):.2f}")
+    return "/".join(means)
 
 
 def _forwards(stats_forwards: dict[str, int]) -> int:
@@ -212,6 +224,7 @@ def summarise(per_prompt: list[dict[str, Any]], args) -> list[dict[str, Any]]:
         rows.append(
             {
                 "method": f"SR α={alpha}",
+                "effective_alpha": effective_rates([p["sr"][alpha]["decisions"] for p in per_prompt]),
                 "score": score,
                 "rel_forwards": rel_f,
                 "rel_wall": rel_w,

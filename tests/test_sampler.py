@@ -257,6 +257,8 @@ def jax_log_softmax(x):
         ({"prompt_offset": -3}, ValueError, "prompt_offset"),
         ({"prompt_offset": 2**31 + 5}, ValueError, "prompt_offset"),
         ({"prompt_offset": "x"}, TypeError, "prompt_offset"),
+        ({"prompts": [b"hello"]}, TypeError, "prompts[0]"),  # bytes are not token ids
+        ({"chat": "no"}, TypeError, "chat"),  # a non-empty string would count as true
     ],
 )
 def test_bad_input_is_refused(lm, kwargs, error, name):

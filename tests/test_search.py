@@ -12,7 +12,7 @@ from tolerance import assert_same_sample
 import jaxsr
 from jaxsr.decoding import loop, state
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.search.memory import parse_bytes
+from jaxsr.search.memory import budget_slots, parse_bytes
 from jaxsr.search.speculative_rejection import batch_ladder, keep_mask
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
@@ -112,11 +112,16 @@ def test_batch_shrinks_and_memory_stays_within_budget(lm, sr_run):
         assert r.best is max(r.samples, key=lambda s: s.score)
 
 
+def parse_budget(budget) -> int:
+    return budget_slots(budget, slot_bytes=4)
+
+
 def test_memory_derived_first_batch(lm):
     r = jaxsr.speculative_rejection(
         lm, SelfLikelihood(), PROMPTS[:1], rejection_rate=0.5, max_new_tokens=8, memory_budget=16 + 10 * 16
     )[0]
     assert r.stats["initial_batch"] == 10 and r.stats["batch_sizes"][0] == 10
+    assert parse_budget(np.int64(16 + 10 * 16)) == 16 + 10 * 16  # NumPy ints count, as for `n` and `seed`
 
 
 def test_each_rung_compiles_once():

@@ -92,6 +92,8 @@ def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> l
         raise TypeError("prompts: expected a list of strings or a list of token-id lists")
     if len(prompts) == 0:
         raise ValueError("prompts: the list is empty")
+    if chat is not None and not isinstance(chat, bool):
+        raise TypeError(f"chat: expected True, False or None, got {chat!r}")
     tokenizer = model.tokenizer
     use_chat = chat if chat is not None else text.has_chat_template(tokenizer)
     encoded = []
@@ -102,6 +104,8 @@ def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> l
             if tokenizer is None:
                 raise ValueError(f"prompts[{i}]: text prompts need a model with a tokenizer; pass token ids")
             ids = text.encode_user_turn(tokenizer, prompt, chat=use_chat)
+        elif isinstance(prompt, bytes | bytearray):
+            raise TypeError(f"prompts[{i}]: expected a string or a list of ints, got bytes (decode it first)")
         elif isinstance(prompt, Sequence) and all(isinstance(t, int | np.integer) for t in prompt):
             if len(prompt) == 0:
                 raise ValueError(f"prompts[{i}]: empty prompt")

@@ -6,6 +6,7 @@ import re
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 _UNITS = {
@@ -67,10 +68,10 @@ def budget_slots(
         return fallback_slots
     if isinstance(memory_budget, bool):
         raise TypeError("memory_budget: expected an int (token slots), a size string or None")
-    if isinstance(memory_budget, int):
+    if isinstance(memory_budget, int | np.integer):
         if memory_budget < 1:
             raise ValueError(f"memory_budget: expected a positive slot count, got {memory_budget}")
-        return memory_budget
+        return int(memory_budget)
     if isinstance(memory_budget, str):
         return parse_bytes(memory_budget) // slot_bytes
     raise TypeError(
