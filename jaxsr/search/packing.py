@@ -100,17 +100,15 @@ def decode_together(sampler: Sampler, members: list[PromptSearch]) -> None:
     if len(members) == 1:  # alone: the state decodes as it is
         (member,) = members
         t0 = time.perf_counter()
-        steps, forwards = jax.device_get((member.state.steps, member.state.forwards))
         state = sampler.decode_loop(member.state, member.prompts, jnp.asarray(pauses[0], jnp.int32))
-        host = HostRows.read(state)
-        member.read_round(
-            state, host, time.perf_counter() - t0, host.steps - int(steps), host.forwards - forwards
-        )
+        host = HostRows.read(state)  # the state's counters are cumulative: the round is the difference
+        steps, forwards = host.steps - member.steps_done, host.forwards - member.forwards_done
+        member.read_round(state, host, time.perf_counter() - t0, steps, forwards)
         return
     t0 = time.perf_counter()
     stacked = bucket(len(members), 1)
     padding = [members[0]] * (stacked - len(members))
-    counters = tuple((m.state.steps, m.state.forwards) for m in members + padding)
+    counters = tuple((np.int32(m.steps_done), m.forwards_done.astype(np.int32)) for m in members + padding)
     G = members[0].state.tokens.shape[0]
     state, prompts = stack(
         tuple(m.state for m in members + padding),

@@ -324,13 +324,8 @@ class PromptSearch:
         index: int,
         prompt: Any,
     ):
-        self.sampler, self.reward, self.config, self.request, self.plan = (
-            sampler,
-            reward,
-            config,
-            request,
-            plan,
-        )
+        self.sampler, self.reward, self.config = sampler, reward, config
+        self.request, self.plan = request, plan
         self.index, self.prompt, self.ids = index, prompt, request.encoded[index]
         self.forwards = dict.fromkeys(sampler.roles, plan.prompt_slots)
         self.timings = dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
@@ -346,6 +341,11 @@ class PromptSearch:
         """The prompt's caches in every model (prefilled once)."""
         self.wall = 0.0
         self._reward_forwards = 0
+        self.live = 0
+        """Alive rows of the state (set where the rows are made: start, compact)."""
+        self.steps_done = 0
+        self.forwards_done = np.zeros(len(sampler.models), np.int64)
+        """Decode steps and positions per row per model the state has run (its own counters, on the host)."""
 
     # -- steps ---------------------------------------------------------------------------------------
 
@@ -368,6 +368,7 @@ class PromptSearch:
         )  # fmt: skip
         capacity = plan.capacity(rows) + plan.headroom
         self.state = sampler.init_state(prefilled, capacity=plan.max_slots, cache_capacity=capacity, **inputs)
+        self.live = rows
         self.timings["prefill_s"] = time.perf_counter() - t0
 
     def shape(self) -> tuple[int, ...]:
@@ -378,7 +379,6 @@ class PromptSearch:
     def begin_round(self) -> int:
         """The token count this round decodes to: the rung's cache segment is full (or the decision
         interval is reached, or the budget)."""
-        self._live = int(np.asarray(self.state.alive).sum())
         self._slots = slots = self.state.rows[0].capacity  # segment + look-ahead headroom
         pause = min(self.plan.max_new_tokens, slots - self.plan.headroom + 1)
         if self.config.decision_interval is not None:
@@ -397,7 +397,7 @@ class PromptSearch:
                 "start_token": self.generated,
                 "end_token": end,
                 "batch_size": batch,
-                "live_rows": self._live,
+                "live_rows": self.live,
                 "steps": steps,
                 "kv_bytes": (self.plan.prompt_slots + batch * slots) * self.sampler.slot_bytes,
                 "decode_s": seconds,
@@ -406,6 +406,8 @@ class PromptSearch:
         self.timings["decode_s"] += seconds
         for role, n in zip(self.sampler.roles, forwards, strict=True):
             self.forwards[role] += int(n) * batch
+        self.steps_done += steps
+        self.forwards_done = self.forwards_done + forwards
         self.state, self.host, self.generated = state, host, end
 
     def score(self) -> None:
@@ -456,6 +458,7 @@ class PromptSearch:
         alive = np.arange(size) < len(survivors)
         capacity = self.plan.capacity(rung) + self.plan.headroom
         self.state = self.sampler.compact(self.state, jnp.asarray(index), jnp.asarray(alive), capacity)
+        self.live = len(survivors)
         self.timings["compaction_s"] += time.perf_counter() - t0
 
     def _finish(self) -> None:
