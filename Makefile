@@ -21,11 +21,14 @@ setup: $(BIN)/jaxsr
 demo: setup
 	$(BIN)/jaxsr demo
 
+# Two worker processes (one per core of a small CI machine); each test file stays on one worker.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check jaxsr tests scripts benchmarks

@@ -8,3 +8,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JAXSR_CACHE_DIR", "off")  # tests that exercise the parameter cache set their own
+
+import gc
+from pathlib import Path
+
+import jax
+import pytest
+
+MAPS = Path("/proc/self/maps")
+MAX_MAP_COUNT = Path("/proc/sys/vm/max_map_count")
+
+
+def _memory_maps() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the kernel's limit on them), where Linux says."""
+    try:
+        with MAPS.open() as maps:
+            return sum(1 for _ in maps), int(MAX_MAP_COUNT.read_text())
+    except OSError:
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after a test once they hold half the kernel's memory-map
+    limit. Each XLA:CPU executable keeps about a dozen mappings, and jit caches keep every executable
+    of every tiny model the suite builds; past `vm.max_map_count` (65530 by default) LLVM's next
+    allocation fails and the compiler segfaults. No user process compiles thousands of programs."""
+    yield
+    maps = _memory_maps()
+    if maps is not None and maps[0] > maps[1] // 2:
+        jax.clear_caches()
+        gc.collect()
