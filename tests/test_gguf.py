@@ -18,8 +18,8 @@ import torch
 from hf_fixtures import left_padded_batch, make_model, torch_logits
 
 import jaxsr
+from jaxsr.loading.files import CheckpointError
 from jaxsr.loading.gguf import hf_tensor_name, read_gguf, smollm2_path, unpermute_qk
-from jaxsr.loading.safetensors import CheckpointError
 from jaxsr.models.layers import apply_rope, rope_inverse_frequencies
 
 QUESTION = "What are three tips for staying healthy?"

@@ -44,20 +44,33 @@ def find_dataset(name: str) -> Path:
 def read_prompts(source: str, limit: int | None = None) -> list[str]:
     """The prompts of a set (a name or a path), the first `limit` of them when given."""
     path = find_dataset(source)
-    text = path.read_text()
     try:
-        if path.suffix == ".json":
-            records = json.loads(text)
-        else:
-            records = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as e:
-        raise ValueError(f"data: {path} is not valid JSON{'L' if path.suffix != '.json' else ''}: {e}") from e
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data: {path} is not UTF-8 text (byte {e.start})") from None
+    if path.suffix == ".json":
+        records = _parse(path, text, line=None)
+    else:
+        records = [_parse(path, line, line=n) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not isinstance(records, list):
         raise ValueError(f"data: {path} holds a JSON {type(records).__name__}, expected a list of records")
+    if not records:
+        raise ValueError(f"data: {path} holds no prompts")
     prompts = []
     for i, record in enumerate(records):
         prompt = record.get("prompt") if isinstance(record, dict) else record
         if not isinstance(prompt, str):
             raise ValueError(f"data: record {i} of {path} has no string `prompt`")
+        if not prompt.strip():
+            raise ValueError(f"data: record {i} of {path} has an empty prompt")
         prompts.append(prompt)
     return prompts[:limit] if limit is not None else prompts
+
+
+def _parse(path: Path, text: str, line: int | None) -> object:
+    """One JSON document (the whole file, or JSONL line `line`), its error naming the file and line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"line {line if line is not None else e.lineno} column {e.colno}"
+        raise ValueError(f"data: {path} is not valid JSON{'L' if line else ''} at {where}: {e.msg}") from None

@@ -7,7 +7,6 @@ The sentence encoder jaxsr can reach offline is all-MiniLM-L6-v2, bundled by the
 from __future__ import annotations
 
 import importlib.util
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,16 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxsr.loading.api import check_dtype, load_tokenizer, resolve_source
+from jaxsr.loading.files import (
+    CheckpointError,
+    inside,
+    positive_float,
+    positive_int,
+    read_json,
+    with_file,
+)
 from jaxsr.loading.params import place_params
-from jaxsr.loading.safetensors import CheckpointError, SafetensorsCheckpoint
+from jaxsr.loading.safetensors import SafetensorsCheckpoint
 from jaxsr.loading.weights import Rule, Transform
 from jaxsr.models.encoder import Encoder, EncoderConfig, EncoderModel
 from jaxsr.sharding import check_mesh
@@ -63,14 +70,14 @@ def encoder_config_from_hf(hf: Mapping[str, Any]) -> EncoderConfig:
     if act not in _ACTIVATIONS:
         raise ValueError(f"hidden_act: {act!r} is not supported (expected one of {sorted(_ACTIVATIONS)})")
     return EncoderConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 512),
-        type_vocab_size=hf.get("type_vocab_size", 2),
-        layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+        vocab_size=positive_int(hf, "vocab_size"),
+        hidden_size=positive_int(hf, "hidden_size"),
+        num_layers=positive_int(hf, "num_hidden_layers"),
+        num_heads=positive_int(hf, "num_attention_heads"),
+        intermediate_size=positive_int(hf, "intermediate_size"),
+        max_position_embeddings=positive_int(hf, "max_position_embeddings", 512),
+        type_vocab_size=positive_int(hf, "type_vocab_size", 2),
+        layer_norm_eps=positive_float(hf, "layer_norm_eps", 1e-12),
         activation=_ACTIVATIONS[act],
     )
 
@@ -163,8 +170,10 @@ def convert_bert_tensors(
 def _max_length(directory: Path, cfg: EncoderConfig, tokenizer: Any) -> int:
     """Truncation length: sentence-transformers' max_seq_length, else the tokenizer's, within positions."""
     st_config = directory / "sentence_bert_config.json"
-    if st_config.exists() and "max_seq_length" in (st := json.loads(st_config.read_text())):
-        return min(int(st["max_seq_length"]), cfg.max_position_embeddings)
+    if st_config.exists() and "max_seq_length" in (st := read_json(st_config)):
+        if not isinstance(st["max_seq_length"], int) or st["max_seq_length"] < 1:
+            raise CheckpointError(f"{st_config}: max_seq_length must be a positive integer")
+        return min(st["max_seq_length"], cfg.max_position_embeddings)
     limit = getattr(tokenizer, "model_max_length", None) or cfg.max_position_embeddings
     return min(int(limit), cfg.max_position_embeddings)
 
@@ -174,10 +183,12 @@ def _check_pooling(directory: Path) -> None:
     modules_file = directory / "modules.json"
     if not modules_file.exists():
         return
-    for module in json.loads(modules_file.read_text()):
-        if module.get("type", "").endswith(".Pooling"):
-            config_file = directory / module.get("path", "") / "config.json"
-            modes = json.loads(config_file.read_text()) if config_file.exists() else {}
+    for module in read_json(modules_file, list):
+        if not isinstance(module, dict):
+            raise CheckpointError(f"{modules_file}: expected a list of objects, found {module!r}")
+        if str(module.get("type", "")).endswith(".Pooling"):
+            config_file = inside(directory, module.get("path") or ".", modules_file) / "config.json"
+            modes = read_json(config_file) if config_file.exists() else {}
             on = sorted(k for k, v in modes.items() if k.startswith("pooling_mode_") and v is True)
             if on and on != ["pooling_mode_mean_tokens"]:
                 raise ValueError(f"{directory}: pooling {on} is not supported (only mean pooling)")
@@ -195,7 +206,7 @@ def load_encoder(
     config_file = path / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{path}: no config.json")
-    config = encoder_config_from_hf(json.loads(config_file.read_text()))
+    config = with_file(config_file, encoder_config_from_hf, read_json(config_file))
     _check_pooling(path)
     arrays = convert_bert_tensors(config, SafetensorsCheckpoint(path))
     graph, params = place_params(lambda: Encoder(config, dtype=dtype, rngs=nnx.Rngs(0)), arrays, dtype, mesh)

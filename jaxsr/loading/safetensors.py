@@ -15,6 +15,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxsr.loading.files import CheckpointError, inside, read_json
+
 DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
@@ -27,10 +29,6 @@ DTYPES = {
     "U8": np.uint8,
     "BOOL": np.bool_,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, or does not match the model it claims to be."""
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -88,8 +86,11 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
         directory = Path(directory)
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no `weight_map` object")
+            paths = {inside(directory, name, index) for name in weight_map.values()}
+            files = sorted(str(path.relative_to(directory)) for path in paths)
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
             weight_map = {}

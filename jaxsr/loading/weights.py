@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsr.loading.safetensors import CheckpointError
+from jaxsr.loading.files import CheckpointError
 from jaxsr.models.config import DecoderConfig
 
 Transform = Callable[[np.ndarray], np.ndarray]

@@ -299,7 +299,9 @@ def memory_plan(
     prompt_slots = bucket(prompt_len, config.min_prompt_bucket)
     max_new_tokens = request.max_new_tokens
     fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
-    budget = budget_slots(memory_budget, sampler.slot_bytes, fallback_slots=fallback, mesh=sampler.mesh)
+    budget = budget_slots(
+        memory_budget, sampler.slot_bytes, fallback, sampler.mesh, copies=concurrent_prompts
+    )
     if memory_budget is None and fallback is None:
         budget //= concurrent_prompts  # derived from the device: shared by the prompts in flight
     return MemoryPlan(
