@@ -9,7 +9,9 @@ import shutil
 from pathlib import Path
 
 import hf_fixtures as H
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 import jaxsr
 from jaxsr import text
@@ -235,3 +237,19 @@ def test_a_data_file_that_is_not_utf8_is_named(tmp_path):
     file.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match="not UTF-8"):
         read_prompts(str(file))
+
+
+@pytest.mark.parametrize("damage", ["nan", "int"])
+def test_encoder_weights_are_checked_like_the_decoder_s(encoder_checkpoint, tmp_path, damage):
+    directory = shutil.copytree(encoder_checkpoint, tmp_path / "encoder", copy_function=os.symlink)
+    tensors = load_file(encoder_checkpoint / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("attention.self.query.weight"))
+    tensors[name] = tensors[name].copy()
+    if damage == "nan":
+        tensors[name][0, 0] = np.nan
+    else:
+        tensors[name] = tensors[name].astype(np.int32)
+    (directory / "model.safetensors").unlink()
+    save_file(tensors, directory / "model.safetensors")
+    message = refused(directory, loader=load_encoder)
+    assert name in message and ("NaN" in message if damage == "nan" else "int32" in message)

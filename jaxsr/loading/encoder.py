@@ -26,7 +26,7 @@ from jaxsr.loading.files import (
 )
 from jaxsr.loading.params import place_params
 from jaxsr.loading.safetensors import SafetensorsCheckpoint
-from jaxsr.loading.weights import Rule, Transform
+from jaxsr.loading.weights import Rule, Transform, check_weight
 from jaxsr.models.encoder import Encoder, EncoderConfig, EncoderModel
 from jaxsr.sharding import check_mesh
 
@@ -148,8 +148,9 @@ def convert_bert_tensors(
         if full not in tensors:
             raise CheckpointError(f"missing tensor {full!r}")
         used.add(full)
+        tensor = check_weight(full, tensors[full])
         try:
-            return transform(tensors[full])
+            return transform(tensor)
         except CheckpointError as e:
             raise CheckpointError(f"tensor {full!r}: {e}") from None
 
