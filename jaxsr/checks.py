@@ -27,9 +27,19 @@ def check_number(name: str, value: Any) -> float:
     """A finite int or float."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite number, got {value}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{name}: expected a finite number, got {str(value)[:24]}")
+    return number
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
 
 
 RESPONSE_BYTES = 200

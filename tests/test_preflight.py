@@ -9,13 +9,16 @@ import inspect
 import math
 import re
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import tiny_model
 
 import jaxsr
+from jaxsr.data import read_prompts
 from jaxsr.decoding.driver import Sampler, as_sampler
+from jaxsr.loading.embedded import smollm2_draft_path
 from jaxsr.rewards import SelfLikelihood
 from jaxsr.search import memory
 
@@ -183,3 +186,107 @@ def test_random_arguments_work_or_are_refused_by_name(lm, draft, name):
 
     check()
     assert outcomes["ran"] >= 3 and outcomes["refused"] >= 10, outcomes  # both sides were exercised
+
+
+# -- edge values found by probing -------------------------------------------------------------------
+
+
+class _Returns:
+    """A custom reward that returns `value` for any candidates."""
+
+    name, token_forwards = "fixed", 0
+
+    def __init__(self, value):
+        self.value = value
+
+    def score(self, candidates):
+        return self.value(len(candidates)) if callable(self.value) else self.value
+
+
+def _gen(lm, d, prompts=((1,),), **kw):
+    return jaxsr.generate(lm, [list(p) for p in prompts], max_new_tokens=2, **kw)
+
+
+def _cd(lm, d, **kw):
+    return jaxsr.contrastive_decode(lm, d, [[1]], max_new_tokens=2, **kw)
+
+
+def _sd(lm, d, **kw):
+    return jaxsr.speculative_decode(lm, d, [[1]], max_new_tokens=2, **kw)
+
+
+def _bon(lm, d, reward=None, **kw):
+    return jaxsr.best_of_n(lm, reward or SelfLikelihood(), [[1]], n=2, max_new_tokens=2, **kw)
+
+
+def _sr(lm, d, **kw):
+    return jaxsr.speculative_rejection(lm, SelfLikelihood(), [[1]], n=2, max_new_tokens=2, **kw)
+
+
+EDGES = {
+    "bool-ids": (_gen, dict(prompts=((True, False),)), TypeError, "prompts[0]"),
+    "beta-overflow": (_cd, dict(beta=1e39), ValueError, "beta"),
+    "tau-underflow": (_cd, dict(contrast="li", tau=1e-320), ValueError, "tau"),
+    "huge-alpha": (_cd, dict(alpha=10**400), ValueError, "alpha"),
+    "huge-budget-text": (_bon, dict(memory_budget="1" + "0" * 400), ValueError, "memory_budget"),
+    "huge-budget-int": (_bon, dict(memory_budget=10**400), ValueError, "memory_budget"),
+    "baseline-str": (_sd, dict(baseline="no"), TypeError, "baseline"),
+    "stop-0d": (_gen, dict(stop_token_ids=np.array(3)), TypeError, "stop_token_ids"),
+    "min-keep-array": (_sr, dict(min_keep=np.array([0, 1])), ValueError, "min_keep"),
+    "huge-bucket": (_sr, dict(min_prompt_bucket=10**12), ValueError, "min_prompt_bucket"),
+    "reward-scalar": (_bon, dict(reward="scalar"), ValueError, "reward"),
+}
+
+
+@pytest.mark.parametrize(("call", "kwargs", "error", "named"), list(EDGES.values()), ids=list(EDGES))
+def test_edge_values_are_refused_by_name(lm, draft, call, kwargs, error, named):
+    if kwargs.get("reward") == "scalar":
+        kwargs = {**kwargs, "reward": _Returns(5)}
+    with pytest.raises(error) as info:
+        call(lm, draft, **kwargs)
+    assert str(info.value).startswith(named), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "named"),
+    [
+        (lambda: jaxsr.SamplingConfig(temperature=10**400), ValueError, "temperature"),
+        (lambda: jaxsr.load_model(None), TypeError, "source"),
+        (lambda: jaxsr.load_model("/x", cache="no"), TypeError, "cache"),
+        (lambda: read_prompts(None), TypeError, "data"),
+        (lambda: read_prompts("alpaca_farm_100", 0), ValueError, "limit"),
+    ],
+    ids=["huge-temperature", "source-none", "cache-str", "data-none", "limit-0"],
+)
+def test_edge_values_of_configs_and_loaders_are_refused_by_name(call, error, named):
+    with pytest.raises(error) as info:
+        call()
+    assert str(info.value).startswith(named), str(info.value)
+
+
+RETURNED = {
+    "strings": lambda n: ["1.0"] * n,
+    "complex": lambda n: [1j] * n,
+    "dict": lambda n: {"a": 1},
+    "generator": lambda n: (x for x in range(n)),
+    "huge-int": lambda n: [10**400] * n,
+}
+
+
+@pytest.mark.parametrize("value", list(RETURNED.values()), ids=list(RETURNED))
+def test_a_reward_that_returns_no_real_numbers_is_named(lm, value):
+    with pytest.raises(ValueError, match=r"^reward: fixed returned"):
+        jaxsr.best_of_n(lm, _Returns(value), [[1, 2]], n=2, max_new_tokens=2)
+
+
+def test_a_reward_without_a_callable_score_is_refused(lm):
+    broken = _Returns(None)
+    broken.score = 5
+    with pytest.raises(TypeError, match="reward: its `score` must be a method"):
+        jaxsr.best_of_n(lm, broken, [[1, 2]], n=2, max_new_tokens=2)
+
+
+def test_text_that_is_not_unicode_is_named():
+    model = jaxsr.load_model(smollm2_draft_path())
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: not valid Unicode"):
+        jaxsr.generate(model, ["fine", "\ud800 hi"], max_new_tokens=2)

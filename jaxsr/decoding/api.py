@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxsr.checks import check_positive_int, check_responses_fit
+from jaxsr.checks import check_bool, check_positive_int, check_responses_fit
 from jaxsr.decoding import cost
 from jaxsr.decoding.contrast import ContrastKind, make_contrast
 from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Run, Sampler, as_sampler, decode, samples_of
@@ -94,6 +94,7 @@ def decode_prompts(
     target alone for SD, contrastive decoding for SCD)."""
     num_samples = check_positive_int("num_samples", num_samples)
     max_rows = check_positive_int("max_rows", max_rows)
+    baseline, measure_cost = check_bool("baseline", baseline), check_bool("measure_cost", measure_cost)
     request = prepare(
         sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxsr.checks import check_bool
 from jaxsr.loading import param_cache
 from jaxsr.loading.files import CheckpointError, read_json, with_file
 from jaxsr.loading.hf_config import decoder_config_from_hf, hf_config_from_decoder
@@ -35,6 +37,8 @@ def check_dtype(dtype: str) -> str:
 
 def resolve_source(source: str | Path, revision: str | None = None) -> Path:
     """A local directory or .gguf file as is; anything else is treated as a hub id and downloaded."""
+    if not isinstance(source, str | os.PathLike):
+        raise TypeError(f"source: expected a path or a hub id, got {type(source).__name__}")
     path = Path(source).expanduser()
     if path.exists():
         return path
@@ -58,7 +62,9 @@ def load_tokenizer(directory: Path) -> Any:
         raise CheckpointError(f"{directory}: the tokenizer files cannot be read: {e}") from e
 
 
-def _eos_ids(hf_config: dict[str, Any], path: Path, is_gguf: bool, tokenizer: Any) -> tuple[int, ...]:
+def _eos_ids(
+    hf_config: dict[str, Any], path: Path, is_gguf: bool, tokenizer: Any, vocab: int
+) -> tuple[int, ...]:
     """End-of-sequence ids from generation_config.json, config.json and the tokenizer, in that order."""
     ids: list[int] = []
     sources = [(path if is_gguf else path / "config.json", hf_config)]
@@ -67,8 +73,10 @@ def _eos_ids(hf_config: dict[str, Any], path: Path, is_gguf: bool, tokenizer: An
     for file, cfg in sources:
         eos = cfg.get("eos_token_id")
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos):
-            raise CheckpointError(f"{file}: eos_token_id must be a token id or a list of them, got {eos}")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in eos):
+            raise CheckpointError(
+                f"{file}: eos_token_id must be a token id in [0, {vocab}) or a list of them, got {eos}"
+            )
         ids += eos
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
@@ -104,8 +112,12 @@ def _restore_cached(
     entry = param_cache.lookup(path)
     if entry is None:
         return None
-    config = decoder_config_from_hf(entry.hf_config)
     try:
+        try:
+            config = decoder_config_from_hf(entry.hf_config)
+        except ValueError as e:
+            entry.discard()
+            raise param_cache.CacheError(f"{entry.path}: the stored config is not a decoder's ({e})") from e
         graph, params = entry.restore(_decoder(config, dtype), dtype, mesh)
         tokenizer = entry.tokenizer() if is_gguf else load_tokenizer(path)
     except param_cache.CacheError as e:
@@ -115,7 +127,7 @@ def _restore_cached(
 
 
 def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | None, cache: bool) -> Model:
-    dtype = check_dtype(dtype)
+    dtype, cache = check_dtype(dtype), check_bool("cache", cache)
     check_mesh(mesh)
     path = resolve_source(source, revision)
     is_gguf = path.is_file() and path.suffix == ".gguf"
@@ -127,7 +139,7 @@ def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | Non
         config = decoder_config_from_hf(hf_config)
     else:
         hf_config, config, tensors, tokenizer = _read_checkpoint(path, is_gguf)
-        arrays = convert_hf_tensors(config, tensors)
+        arrays = with_file(path, convert_hf_tensors, config, tensors)
         if cache:
             param_cache.store(path, hf_config, arrays, tokenizer if is_gguf else None)
         graph, params = place_params(_decoder(config, dtype), arrays, dtype, mesh)
@@ -139,7 +151,7 @@ def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | Non
         tokenizer=tokenizer,
         mesh=mesh,
         name=str(source),
-        eos_token_ids=_eos_ids(hf_config, path, is_gguf, tokenizer),
+        eos_token_ids=_eos_ids(hf_config, path, is_gguf, tokenizer, config.vocab_size),
     )
 
 

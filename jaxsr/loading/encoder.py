@@ -67,7 +67,7 @@ def encoder_config_from_hf(hf: Mapping[str, Any]) -> EncoderConfig:
     if position != "absolute":
         raise ValueError(f"position_embedding_type: {position!r} is not supported (only 'absolute')")
     act = hf.get("hidden_act", "gelu")
-    if act not in _ACTIVATIONS:
+    if not isinstance(act, str) or act not in _ACTIVATIONS:
         raise ValueError(f"hidden_act: {act!r} is not supported (expected one of {sorted(_ACTIVATIONS)})")
     return EncoderConfig(
         vocab_size=positive_int(hf, "vocab_size"),
@@ -172,11 +172,11 @@ def _max_length(directory: Path, cfg: EncoderConfig, tokenizer: Any) -> int:
     """Truncation length: sentence-transformers' max_seq_length, else the tokenizer's, within positions."""
     st_config = directory / "sentence_bert_config.json"
     if st_config.exists() and "max_seq_length" in (st := read_json(st_config)):
-        if not isinstance(st["max_seq_length"], int) or st["max_seq_length"] < 1:
-            raise CheckpointError(f"{st_config}: max_seq_length must be a positive integer")
-        return min(st["max_seq_length"], cfg.max_position_embeddings)
-    limit = getattr(tokenizer, "model_max_length", None) or cfg.max_position_embeddings
-    return min(int(limit), cfg.max_position_embeddings)
+        return min(with_file(st_config, positive_int, st, "max_seq_length"), cfg.max_position_embeddings)
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:  # absent or meaningless
+        return cfg.max_position_embeddings
+    return min(limit, cfg.max_position_embeddings)
 
 
 def _check_pooling(directory: Path) -> None:
@@ -187,10 +187,16 @@ def _check_pooling(directory: Path) -> None:
     for module in read_json(modules_file, list):
         if not isinstance(module, dict):
             raise CheckpointError(f"{modules_file}: expected a list of objects, found {module!r}")
-        if str(module.get("type", "")).endswith(".Pooling"):
+        kind = module.get("type", "")
+        if not isinstance(kind, str):
+            raise CheckpointError(f"{modules_file}: a module's type must be a class path, got {kind!r}")
+        if kind.endswith(".Pooling"):
             config_file = inside(directory, module.get("path") or ".", modules_file) / "config.json"
             modes = read_json(config_file) if config_file.exists() else {}
-            on = sorted(k for k, v in modes.items() if k.startswith("pooling_mode_") and v is True)
+            flags = {k: v for k, v in modes.items() if k.startswith("pooling_mode_")}
+            if not all(isinstance(v, bool) for v in flags.values()):
+                raise CheckpointError(f"{config_file}: pooling_mode_* fields must be true or false")
+            on = sorted(k for k, v in flags.items() if v)
             if on and on != ["pooling_mode_mean_tokens"]:
                 raise ValueError(f"{directory}: pooling {on} is not supported (only mean pooling)")
 

@@ -25,6 +25,8 @@ def read_json(path: Path, expected: type = dict) -> Any:
         raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: JSON nested too deeply to be a checkpoint file") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(value, expected):
@@ -74,10 +76,11 @@ def positive_float(config: Mapping[str, Any], key: str, default: Any = _REQUIRED
 
 
 def with_file(path: Path, read: Callable[..., T], *args: Any) -> T:
-    """`read(*args)`, its ValueError reworded to name `path` (the file its arguments came from)."""
+    """`read(*args)`, its ValueError reworded to name `path` (the file or checkpoint its arguments
+    came from) unless it already does."""
     try:
         return read(*args)
-    except CheckpointError:
-        raise
     except ValueError as e:
+        if str(path) in str(e):
+            raise
         raise CheckpointError(f"{path}: {e}") from None

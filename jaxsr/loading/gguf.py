@@ -94,7 +94,12 @@ class _Metadata:
         if kind == GGUFValueType.ARRAY:
             raise CheckpointError(f"{self.path}: metadata {key!r} is an array; jaxsr expects one value")
         value = field.parts[field.data[0]]
-        return bytes(value).decode("utf-8") if kind == GGUFValueType.STRING else value.item()
+        if kind != GGUFValueType.STRING:
+            return value.item()
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self.path}: metadata {key!r} is not UTF-8 text") from None
 
     def require(self, key: str) -> Any:
         value = self.get(key)

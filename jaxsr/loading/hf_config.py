@@ -22,17 +22,28 @@ _ACTIVATIONS = {
 }
 
 
-def _activation(name: str) -> str:
-    if name not in _ACTIVATIONS:
+def _activation(name: Any) -> str:
+    if not isinstance(name, str) or name not in _ACTIVATIONS:
         raise ValueError(f"hidden_act {name!r} is not supported; expected one of {sorted(_ACTIVATIONS)}")
     return _ACTIVATIONS[name]
 
 
 def _num_labels(hf: dict[str, Any]) -> int:
     architectures = hf.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ValueError(f"field 'architectures': expected a list of class names, got {architectures!r}")
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         return 0
-    return int(hf.get("num_labels") or len(hf.get("id2label") or {}) or 1)
+    labels = hf.get("id2label")
+    return positive_int(hf, "num_labels", len(labels) if isinstance(labels, dict) and labels else 1)
+
+
+def _epsilon(hf: dict[str, Any], key: str, default: float) -> float:
+    """A normalisation epsilon: positive and small (a large one flattens every activation)."""
+    eps = positive_float(hf, key, default)
+    if eps >= 0.1:
+        raise ValueError(f"field {key!r}: expected a small positive number, got {eps}")
+    return eps
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -43,6 +54,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             raise ValueError(f"field {key!r}: expected an object, got {value!r}")
     scaling = scaling or params
     theta = positive_float(params, "rope_theta", positive_float(hf, "rope_theta", 10000.0))
+    if theta <= 1.0:
+        raise ValueError(f"field 'rope_theta': expected a base > 1, got {theta}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -64,6 +77,8 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, in
     if model_type == "mistral":
         return positive_int(hf, "sliding_window"), 0
     if hf.get("layer_types") is not None:
+        if not isinstance(hf["layer_types"], list) or len(hf["layer_types"]) != layers:
+            raise ValueError(f"field 'layer_types': expected a list of {layers} attention kinds")
         sliding = [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
         return (positive_int(hf, "sliding_window"), sliding[0]) if sliding else (None, 0)
     first = hf.get("max_window_layers", layers)
@@ -96,7 +111,7 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
             intermediate_size=positive_int(hf, "n_inner", 4 * d),
             max_position_embeddings=positive_int(hf, "n_positions"),
             norm="layer",
-            norm_eps=positive_float(hf, "layer_norm_epsilon", 1e-5),
+            norm_eps=_epsilon(hf, "layer_norm_epsilon", 1e-5),
             position="learned",
             mlp="plain",
             activation=_activation(hf.get("activation_function", "gelu_new")),
@@ -120,7 +135,7 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         intermediate_size=positive_int(hf, "intermediate_size"),
         max_position_embeddings=positive_int(hf, "max_position_embeddings", 2048),
         norm="rms",
-        norm_eps=positive_float(hf, "rms_norm_eps", 1e-6),
+        norm_eps=_epsilon(hf, "rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         activation=_activation(hf.get("hidden_act", "silu")),

@@ -23,6 +23,7 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+MAX_BYTES = 2**62  # a budget past this is a typo: no machine holds it, and sizes must stay int64
 DEVICE_HEADROOM = 0.9  # share of free accelerator memory the KV cache may take
 
 
@@ -32,7 +33,10 @@ def parse_bytes(text: str) -> int:
         raise ValueError(
             f"memory_budget: cannot read {text!r}; expected e.g. '4GiB', '512MB' or a slot count"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    size = float(match.group(1)) * _UNITS[match.group(2).upper()]
+    if not size < MAX_BYTES:
+        raise ValueError(f"memory_budget: {text!r} is beyond any machine (more than 2**62 bytes)")
+    return int(size)
 
 
 def device_free_bytes(devices: Sequence[jax.Device]) -> int | None:
@@ -82,8 +86,9 @@ def budget_slots(
     elif isinstance(memory_budget, bool):
         raise TypeError("memory_budget: expected an int (token slots), a size string or None")
     elif isinstance(memory_budget, int | np.integer):
-        if memory_budget < 1:
-            raise ValueError(f"memory_budget: expected a positive slot count, got {memory_budget}")
+        if not 1 <= memory_budget < MAX_BYTES:
+            shown = str(memory_budget)[:24]
+            raise ValueError(f"memory_budget: expected a slot count in [1, 2**62), got {shown}")
         slots = int(memory_budget)
     elif isinstance(memory_budget, str):
         slots = parse_bytes(memory_budget) // slot_bytes
