@@ -48,8 +48,37 @@ def write_config(directory: Path, config) -> None:
         (lambda c: c | {"rope_scaling": "llama3"}, "'rope_scaling': expected an object"),
         (lambda c: c | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'low_freq_factor'"),
         (lambda c: c | {"eos_token_id": "</s>"}, "eos_token_id"),
+        (lambda c: c | {"eos_token_id": 60000}, "eos_token_id must be a token id in [0, "),
+        (lambda c: c | {"hidden_act": ["silu"]}, "hidden_act"),
+        (lambda c: c | {"architectures": "LlamaForSequenceClassification"}, "'architectures'"),
+        (lambda c: c | {"architectures": [1]}, "'architectures'"),
+        (
+            lambda c: c | {"architectures": ["LlamaForSequenceClassification"], "num_labels": 1.5},
+            "num_labels",
+        ),
+        (lambda c: c | {"rope_parameters": c["rope_parameters"] | {"rope_theta": 1e-300}}, "'rope_theta'"),
+        (lambda c: c | {"rms_norm_eps": 1e300}, "'rms_norm_eps'"),
+        (lambda c: {"a": "[" * 100000}, "model_type"),
     ],
-    ids=["list", "missing", "string", "zero", "bool", "negative-eps", "rope-string", "rope-partial", "eos"],
+    ids=[
+        "list",
+        "missing",
+        "string",
+        "zero",
+        "bool",
+        "negative-eps",
+        "rope-string",
+        "rope-partial",
+        "eos",
+        "eos-range",
+        "act-list",
+        "arch-string",
+        "arch-int",
+        "labels-float",
+        "tiny-theta",
+        "huge-eps",
+        "junk",
+    ],
 )
 def test_a_bad_config_field_names_the_file_and_the_field(llama, tmp_path, edit, named):
     directory = shutil.copytree(llama, tmp_path / "ckpt")
@@ -69,6 +98,30 @@ def test_invalid_json_names_the_file_and_the_line(llama, tmp_path, name):
         assert f"{directory}: the tokenizer files cannot be read" in message
     else:
         assert f"{directory / name}: invalid JSON at line 3" in message
+
+
+def test_json_nested_beyond_recursion_is_named(llama, tmp_path):
+    directory = shutil.copytree(llama, tmp_path / "ckpt")
+    (directory / "config.json").write_text("[" * 200000 + "]" * 200000)
+    assert "config.json: JSON nested too deeply" in refused(directory)
+
+
+def test_a_shard_that_is_a_directory_is_named(tmp_path_factory, tmp_path):
+    sharded, _ = H.checkpoint("llama2", tmp_path_factory, max_shard_size="10KB")
+    directory = shutil.copytree(sharded, tmp_path / "ckpt")
+    index_file = directory / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"][next(iter(index["weight_map"]))] = "."
+    index_file.write_text(json.dumps(index))
+    assert "is missing" in refused(directory)
+
+
+def test_tensor_errors_name_the_checkpoint(llama, tmp_path):
+    directory = shutil.copytree(llama, tmp_path / "ckpt")
+    config = json.loads((directory / "config.json").read_text())
+    write_config(directory, config | {"num_hidden_layers": config["num_hidden_layers"] + 1})
+    message = refused(directory)
+    assert message.startswith(str(directory)) and "missing tensor" in message
 
 
 def test_a_file_that_is_not_utf8_is_named(llama, tmp_path):
