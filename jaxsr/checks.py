@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,52 @@ def check_number(name: str, value: Any) -> float:
     """A finite int or float."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite number, got {value}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{name}: expected a finite number, got {str(value)[:24]}")
+    return number
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
+
+
+RESPONSE_BYTES = 200
+TOKEN_BYTES = 12
+"""Least host memory one returned response and each of its tokens take (ids, text, bookkeeping)."""
+
+
+def host_available_bytes() -> int | None:
+    """Memory the host can still give this process (Linux's MemAvailable), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def format_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_responses_fit(name: str, responses: int, max_new_tokens: int) -> None:
+    """Refuse, before decoding, a request whose responses alone cannot fit in host memory (a lower
+    bound: the request would be killed for memory after hours of work)."""
+    available = host_available_bytes()
+    needed = responses * (RESPONSE_BYTES + TOKEN_BYTES * max_new_tokens)
+    if available is not None and needed > available:
+        raise ValueError(
+            f"{name}: {responses} responses of up to {max_new_tokens} tokens need at least "
+            f"{format_bytes(needed)} of host memory; {format_bytes(available)} is available"
+        )

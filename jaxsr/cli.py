@@ -17,9 +17,12 @@ from jaxsr.jobs.runner import run_job
 def join_processes(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
     """Join a multi-process job (`jax.distributed`); the arguments are auto-detected on TPU pods and
     SLURM/MPI clusters when left out."""
-    jax.distributed.initialize(
-        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+        )
+    except (ValueError, RuntimeError, IndexError) as e:  # what jax raises for an unusable address
+        raise ValueError(f"--coordinator/--num-processes/--process-id: cannot join ({e})") from None
 
 
 def run(config_path: str | None, overrides: list[str], progress: bool = True) -> Path:
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 rejection_rate=args.rejection_rate, gamma=args.gamma, seed=args.seed,
                 progress=not args.no_progress,
             )  # fmt: skip
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, OSError) as e:  # OSError: a file or hub download that fails
         print(f"jaxsr: error: {e}", file=sys.stderr)
         return 2
     return 0

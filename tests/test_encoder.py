@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxsr.ladder import bucket
 from jaxsr.loading.encoder import load_encoder, minilm_path
-from jaxsr.loading.safetensors import CheckpointError
+from jaxsr.loading.files import CheckpointError
 from jaxsr.sharding import make_mesh
 
 VOCAB, TYPES, POSITIONS = 64, 2, 32

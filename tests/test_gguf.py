@@ -18,8 +18,8 @@ import torch
 from hf_fixtures import left_padded_batch, make_model, torch_logits
 
 import jaxsr
+from jaxsr.loading.files import CheckpointError
 from jaxsr.loading.gguf import hf_tensor_name, read_gguf, smollm2_path, unpermute_qk
-from jaxsr.loading.safetensors import CheckpointError
 from jaxsr.models.layers import apply_rope, rope_inverse_frequencies
 
 QUESTION = "What are three tips for staying healthy?"
@@ -40,7 +40,7 @@ def write_gguf(
 ) -> Path:
     """Write `model` as an F32 GGUF laid out for `arch` (declared as `label`, default `arch`).
 
-    `meta` adds `{label}.{key}` integers; `extra_tensors` adds raw tensors.
+    `meta` adds `{label}.{key}` integers or strings; `extra_tensors` adds raw tensors.
     """
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -60,7 +60,8 @@ def write_gguf(
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_eos_token_id(cfg.eos_token_id)
     for key, value in meta.items():
-        writer.add_uint32(f"{writer.arch}.{key}", value)
+        add = writer.add_string if isinstance(value, str) else writer.add_uint32
+        add(f"{writer.arch}.{key}", value)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -140,6 +141,16 @@ def test_hf_names_cover_gguf_py_names():
 def test_unsupported_gguf_is_refused(label, meta, extra, message, tmp_path):
     path = write_gguf(make_model("llama2"), tmp_path / "model.gguf", "llama", extra, label=label, **meta)
     with pytest.raises(ValueError, match=re.escape(message)):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize("value", ["four", 0])
+def test_a_metadata_count_of_the_wrong_type_names_the_file_and_key(value, tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf.GGUFWriter, "add_block_count", lambda self, n: None)  # written below instead
+    path = write_gguf(make_model("llama2"), tmp_path / "model.gguf", "llama", block_count=value)
+    with pytest.raises(
+        ValueError, match=r"model.gguf: metadata 'llama.block_count' must be a positive integer"
+    ):
         read_gguf(path)
 
 

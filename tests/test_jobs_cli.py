@@ -151,7 +151,7 @@ def test_malformed_configs_are_refused(tmp_path):
         load_job_config(path)
     with pytest.raises(ValueError, match="cannot read"):
         load_job_config(tmp_path)
-    assert load_job_config(None, ["output=[a"]).output == "[a"  # not YAML: the text itself
+    assert load_job_config(None, ["output=[a.jsonl"]).output == "[a.jsonl"  # not YAML: the text itself
 
 
 def test_a_data_file_must_hold_a_list_of_records(tmp_path):
@@ -679,3 +679,68 @@ def test_search_decoder_settings_are_checked(job, capsys, overrides, name):
     path, output = job
     assert cli("run", str(path), "limit=1", *overrides) == 2
     assert f"{name}:" in capsys.readouterr().err and not output.exists()
+
+
+def test_a_bad_prompt_far_down_the_data_fails_the_job_before_any_record(job, tmp_path, capsys):
+    config_path, output = job
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "x " * 5000}) + "\n")
+    assert cli("run", str(config_path), f"data={data}") == 2
+    error = capsys.readouterr().err
+    assert f"data: {data}: prompts[1]" in error and "context" in error
+    assert not output.exists() and not job_file(output).exists()
+
+
+@pytest.mark.parametrize("where", ["job file is a directory", "output is not .jsonl"])
+def test_an_output_that_cannot_be_written_is_refused_before_loading(job, where, capsys, monkeypatch):
+    config_path, output = job
+    monkeypatch.setattr("jaxsr.jobs.methods.resolve_model", _refuse_to_load)
+    overrides = []
+    if where == "job file is a directory":
+        job_file(output).mkdir(parents=True)
+    else:
+        overrides = [f"output={output.with_suffix('.json')}"]
+    assert cli("run", str(config_path), *overrides) == 2
+    assert "output:" in capsys.readouterr().err
+    assert not output.exists()
+
+
+def _refuse_to_load(*args, **kwargs):
+    raise AssertionError("a model was loaded for a job whose output cannot be written")
+
+
+def test_a_failed_record_write_leaves_nothing_half_written(job, capsys, monkeypatch):
+    config_path, output = job
+    real_open = Path.open
+
+    def full_disk(self, mode="r", *args, **kwargs):
+        if self == output and "a" in mode:
+            raise OSError(28, "No space left on device")
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", full_disk)
+    assert cli("run", str(config_path)) == 2
+    error = capsys.readouterr().err
+    assert "output: cannot write" in error and "No space left" in error
+    assert not output.exists() and not job_file(output).exists()
+    assert not list(output.parent.glob("*.partial"))
+
+
+def test_a_job_that_writes_nothing_leaves_no_new_folder(job, tmp_path, capsys):
+    config_path, _ = job
+    output = tmp_path / "new" / "deeper" / "x.jsonl"
+    assert cli("run", str(config_path), f"output={output}", "model=/nonexistent/model") == 2
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [("1: 2\n", "config key 1"), ("[" * 100000 + "\n", "nested too deeply"), (b"\xff\xfe", "not UTF-8")],
+    ids=["int-key", "deep", "binary"],
+)
+def test_a_malformed_config_file_is_named(tmp_path, text, named, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert cli("run", str(path)) == 2
+    error = capsys.readouterr().err
+    assert named in error and "Traceback" not in error

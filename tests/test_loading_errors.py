@@ -15,7 +15,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jaxsr
-from jaxsr.loading.safetensors import CheckpointError, SafetensorsCheckpoint
+from jaxsr.loading.files import CheckpointError
+from jaxsr.loading.safetensors import SafetensorsCheckpoint
 from jaxsr.sharding import make_mesh
 
 

@@ -245,3 +245,18 @@ def test_smollm2_gguf_is_cached_with_its_tokenizer(cache_dir, monkeypatch, capsy
     assert cached.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == text
     assert cached.tokenizer(text).input_ids == first.tokenizer(text).input_ids
     assert cached_s < first_s / 3
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_unusable_cache_location_loads_without_it_and_warns_once(tmp_path, checkpoint, monkeypatch, where):
+    monkeypatch.setattr(param_cache, "MIN_DIRECTORY_BYTES", 0)
+    monkeypatch.setattr(param_cache, "_UNUSABLE", set())
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("JAXSR_CACHE_DIR", str(blocker if where == "a file" else blocker / "params"))
+    with pytest.warns(UserWarning, match="cannot be written") as caught:
+        first = jaxsr.load_model(checkpoint)
+        second = jaxsr.load_model(checkpoint)
+    assert len([w for w in caught if "parameter cache" in str(w.message)]) == 1
+    assert_same_params(first, second)
+    assert blocker.read_text() == "not a folder"

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxsr.checks import check_positive_int
+from jaxsr.checks import check_bool, check_positive_int, check_responses_fit
 from jaxsr.decoding import cost
 from jaxsr.decoding.contrast import ContrastKind, make_contrast
 from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Run, Sampler, as_sampler, decode, samples_of
@@ -25,10 +25,19 @@ from jaxsr.results import Result
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 
 
+def _check_gamma(gamma: Any, *models: Model) -> int:
+    """γ draft tokens per step: each row's cache holds γ + 1 positions beyond its response."""
+    gamma = check_positive_int("gamma", gamma)
+    context = min(m.config.context for m in models)
+    if gamma >= context:
+        raise ValueError(f"gamma: {gamma} draft tokens per step do not fit the models' context of {context}")
+    return gamma
+
+
 def speculative_decoder(target: Model, draft: Model, *, gamma: int = 4) -> Sampler:
     """Speculative decoding: samples exactly from `target`, `draft` proposing γ tokens per call."""
     check_pair(target, draft, ("target", "draft"))
-    return Sampler((target, draft), SpeculativeDecoding(gamma=check_positive_int("gamma", gamma)))
+    return Sampler((target, draft), SpeculativeDecoding(gamma=_check_gamma(gamma, target, draft)))
 
 
 def contrastive_decoder(
@@ -60,7 +69,7 @@ def speculative_contrastive_decoder(
     drafting γ tokens per expert call."""
     check_pair(expert, amateur, ("expert", "amateur"))
     weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
-    method = SpeculativeContrastiveDecoding(gamma=check_positive_int("gamma", gamma))
+    method = SpeculativeContrastiveDecoding(gamma=_check_gamma(gamma, expert, amateur))
     return Sampler((expert, amateur), method, weights)
 
 
@@ -83,12 +92,14 @@ def decode_prompts(
     acceptance, the predicted speed-up from the measured cost ratios (`measure_cost`: timing probes)
     and, with `baseline`, the measured one against the method's own baseline (`Method.baseline`: the
     target alone for SD, contrastive decoding for SCD)."""
+    num_samples = check_positive_int("num_samples", num_samples)
+    max_rows = check_positive_int("max_rows", max_rows)
+    baseline, measure_cost = check_bool("baseline", baseline), check_bool("measure_cost", measure_cost)
     request = prepare(
         sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
-    num_samples = check_positive_int("num_samples", num_samples)
-    max_rows = check_positive_int("max_rows", max_rows)
+    check_responses_fit("num_samples", len(request.encoded) * num_samples, request.max_new_tokens)
     sampler = sampler.with_sampling(request.sampling)
     t0 = time.perf_counter()
     run = decode(sampler, request, num_samples=num_samples, max_rows=max_rows)

@@ -46,6 +46,11 @@ def contrastive_scores(expert_logits: jax.Array, amateur_logits: jax.Array, cont
     return jnp.where(plausible, scores, MASKED)
 
 
+MAX_AMATEUR_WEIGHT = 1e6
+"""The largest amateur weight (β, or 1/τ) accepted: float32 keeps 7 digits, so past it the expert's
+logits vanish from the difference and the contrast is noise."""
+
+
 def make_contrast(
     alpha: float = 0.1, beta: float = 0.5, *, contrast: ContrastKind = "obrien", tau: float = 1.0
 ) -> Contrast:
@@ -66,6 +71,12 @@ def make_contrast(
         weights = (1.0, 1.0 / tau)
     else:
         raise ValueError(f"contrast: expected 'obrien' or 'li', got {contrast!r}")
+    if weights[1] > MAX_AMATEUR_WEIGHT:
+        name, value = ("beta", beta) if contrast == "obrien" else ("tau", tau)
+        raise ValueError(
+            f"{name}: {value:.3g} weighs the amateur by {weights[1]:.3g}; beyond {MAX_AMATEUR_WEIGHT:.0e} "
+            "float32 scores lose every digit of the expert's logits"
+        )
     return Contrast(
         expert_weight=jnp.float32(weights[0]),
         amateur_weight=jnp.float32(weights[1]),

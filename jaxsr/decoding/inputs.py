@@ -103,10 +103,23 @@ def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> l
                 raise ValueError(f"prompts[{i}]: empty prompt")
             if tokenizer is None:
                 raise ValueError(f"prompts[{i}]: text prompts need a model with a tokenizer; pass token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompts[{i}]: not valid Unicode text ({e.reason} at {e.start})") from None
             ids = text.encode_user_turn(tokenizer, prompt, chat=use_chat)
+            if not ids:
+                raise ValueError(f"prompts[{i}]: encodes to no tokens (check the chat template)")
+            if max(ids) >= model.config.vocab_size:
+                raise ValueError(
+                    f"prompts[{i}]: the tokenizer gives id {max(ids)}, outside the model's vocabulary "
+                    f"of {model.config.vocab_size} (tokenizer and checkpoint do not match)"
+                )
         elif isinstance(prompt, bytes | bytearray):
             raise TypeError(f"prompts[{i}]: expected a string or a list of ints, got bytes (decode it first)")
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int | np.integer) for t in prompt):
+        elif isinstance(prompt, Sequence) and all(
+            isinstance(t, int | np.integer) and not isinstance(t, bool | np.bool_) for t in prompt
+        ):
             if len(prompt) == 0:
                 raise ValueError(f"prompts[{i}]: empty prompt")
             ids = [int(t) for t in prompt]
@@ -139,7 +152,11 @@ def _window_note(cfg: DecoderConfig) -> str:
 
 def check_row_ids(model: Model, stop_token_ids: Any, prompt_offset: Any) -> tuple[list[int], int]:
     """Extra stop ids (token ids of `model`) and the index of a call's first prompt in its job."""
-    if isinstance(stop_token_ids, str | bytes) or not isinstance(stop_token_ids, Sequence | np.ndarray):
+    if (
+        isinstance(stop_token_ids, str | bytes)
+        or not isinstance(stop_token_ids, Sequence | np.ndarray)
+        or (isinstance(stop_token_ids, np.ndarray) and stop_token_ids.ndim != 1)
+    ):
         raise TypeError(f"stop_token_ids: expected a sequence of token ids, got {stop_token_ids!r}")
     vocab = model.config.vocab_size
     for i in stop_token_ids:

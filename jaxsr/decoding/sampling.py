@@ -7,11 +7,11 @@ the same seed gives the same tokens however prompts and samples are batched or b
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 
+from jaxsr.checks import check_number
 from jaxsr.models.layers import MASKED
 
 MIN_TEMPERATURE = 1e-4
@@ -28,9 +28,7 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
-            raise TypeError(f"temperature: expected a number, got {type(self.temperature).__name__}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
+        if check_number("temperature", self.temperature) < 0:
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(
@@ -41,9 +39,7 @@ class SamplingConfig:
             raise TypeError(f"top_k: expected an int, got {type(self.top_k).__name__}")
         if self.top_k < 0:
             raise ValueError(f"top_k: expected >= 0 (0 disables it), got {self.top_k}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
-            raise TypeError(f"top_p: expected a number, got {type(self.top_p).__name__}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not (0.0 < check_number("top_p", self.top_p) <= 1.0):
             raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
 
     @property

@@ -109,6 +109,8 @@ class JobConfig:
             if not any(_is_instance(value, t) for t in allowed):
                 names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
                 raise ValueError(f"{field.name}: expected {names}, got {value!r}")
+        if not self.output.endswith(".jsonl"):
+            raise ValueError(f"output: expected a path ending in .jsonl, got {self.output!r}")
         if self.decoder is not None and self.decoder not in DECODERS:
             raise ValueError(f"decoder: expected one of {DECODERS} or None, got {self.decoder!r}")
         for name in ("limit", "n", "mesh_model", "concurrent_prompts"):
@@ -162,9 +164,13 @@ def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobCo
     values: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            loaded = yaml.safe_load(Path(path).read_bytes().decode("utf-8")) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML ({e})") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: nested too deeply to be a config") from None
         except OSError as e:
             raise ValueError(f"{path}: cannot read the config ({e.strerror or e})") from e
         if not isinstance(loaded, dict):
@@ -177,6 +183,8 @@ def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobCo
         values[key.strip()] = _parse_value(text)
     known = [f.name for f in dataclasses.fields(JobConfig)]
     for key in values:
+        if not isinstance(key, str):
+            raise ValueError(f"config key {key!r}: expected a name (one of {', '.join(known)})")
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 import textwrap
 import time
@@ -68,6 +69,12 @@ def run_demo(
         raise ValueError("n: give at least one Best-of-N size")
     gamma, seed = check_positive_int("gamma", gamma), check_seed(seed)
     out_dir = Path(output_dir)
+    try:  # before minutes of decoding: the results must have somewhere to go
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"output_dir: cannot create {out_dir} ({e.strerror or e})") from None
+    if not os.access(out_dir, os.W_OK):
+        raise ValueError(f"output_dir: {out_dir} is not writable")
 
     status(f"loading {GENERATOR}…")
     lm = resolve_model("smollm2", "float32")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from jaxsr.decoding.api import (
     speculative_decoder,
 )
 from jaxsr.decoding.driver import DEFAULT_MAX_ROWS
+from jaxsr.decoding.inputs import prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.loading.api import load_model, load_reward_model
@@ -28,7 +30,20 @@ from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.speculative_rejection import speculative_rejection
 from jaxsr.sharding import make_mesh
 
-Solver = Callable[[list[str], int], list[dict[str, Any]]]
+Solve = Callable[[list[str], int], list[dict[str, Any]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Solver:
+    """A job's method with its models loaded: `solve(prompts, first_index) -> records`, how many prompts
+    a call takes, and `check(prompts)`, which refuses (before any decoding) a prompt the method could
+    not take — every prompt of the data, so that a bad one far down fails the job at its start."""
+
+    solve: Solve
+    prompts_per_call: int
+    check: Callable[[list[str]], None]
+
+
 SEARCH_CALL_ROUNDS = 4
 """A speculative_rejection call takes this many prompts per prompt in flight: enough that a finished
 search's place is refilled most of the time, few enough that a killed job redoes little."""
@@ -86,10 +101,11 @@ def resolve_reward(name: str | None, dtype: str, mesh: Mesh | None = None) -> Re
     return as_reward(load_reward_model(name, dtype=dtype, mesh=mesh))
 
 
-def build_solver(config: JobConfig) -> tuple[Solver, int]:
-    """(solve, prompts per call) for the job's method."""
+def build_solver(config: JobConfig) -> Solver:
+    """The job's method over its loaded models."""
     mesh = job_mesh(config)
     model = resolve_model(config.model, config.dtype, mesh)
+    models: tuple[Model, ...] = (model,)
     sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat)
     if config.method == "generate":
@@ -100,6 +116,7 @@ def build_solver(config: JobConfig) -> tuple[Solver, int]:
         if config.draft is None:
             raise ValueError(f"draft: {config.method} needs a second model (the draft or amateur)")
         second = resolve_model(config.draft, config.dtype, mesh)
+        models = (model, second)
         kind = PAIR_METHODS[config.method]
         decode, extra = PAIR_DECODE[kind], {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
         run = lambda prompts, **kw: decode(
@@ -114,6 +131,7 @@ def build_solver(config: JobConfig) -> tuple[Solver, int]:
             model = DECODER_BUILDERS[config.decoder](
                 model, resolve_model(config.draft, config.dtype, mesh), **extra
             )
+            models = model.models
         if config.method == "best_of_n":
             if config.n is None:
                 raise ValueError("n: best_of_n needs n")
@@ -135,9 +153,16 @@ def build_solver(config: JobConfig) -> tuple[Solver, int]:
     def solve(prompts: list[str], first: int) -> list[dict[str, Any]]:
         return [r.to_dict() for r in run(prompts, prompt_offset=first, **common)]
 
+    def check(prompts: list[str]) -> None:
+        try:
+            prepare(models, prompts, stop_token_ids=(), prompt_offset=0, **common)
+        except (ValueError, TypeError) as e:  # prompts[i] is the i-th prompt of the data
+            raise ValueError(f"data: {config.data}: {e}") from None
+
     if config.method == "speculative_rejection":  # a call keeps `concurrent_prompts` searches in flight
-        return solve, SEARCH_CALL_ROUNDS * config.concurrent_prompts
-    if config.method == "best_of_n":
-        return solve, 1  # one prompt per call: a search fills the device with one prompt's rows
-    # a call decodes as many prompts as fit one batch of DEFAULT_MAX_ROWS rows
-    return solve, max(1, DEFAULT_MAX_ROWS // check_positive_int("num_samples", config.num_samples))
+        per_call = SEARCH_CALL_ROUNDS * config.concurrent_prompts
+    elif config.method == "best_of_n":
+        per_call = 1  # one prompt per call: a search fills the device with one prompt's rows
+    else:  # a call decodes as many prompts as fit one batch of DEFAULT_MAX_ROWS rows
+        per_call = max(1, DEFAULT_MAX_ROWS // check_positive_int("num_samples", config.num_samples))
+    return Solver(solve, per_call, check)

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from jaxsr.data import read_prompts
 from jaxsr.jobs.config import JobConfig
+from jaxsr.jobs.methods import Solve, Solver
 
 
 def job_file(output: Path) -> Path:
@@ -48,11 +49,14 @@ def job_file(output: Path) -> Path:
 def _write_durably(path: Path, data: bytes) -> None:
     """Replace `path` by `data` atomically: a kill leaves the old file or the new one, never a mix."""
     partial = path.with_name(path.name + ".partial")
-    with partial.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
+    try:
+        with partial.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)
@@ -125,14 +129,25 @@ class JsonlOutput:
 
     def write(self, index: int, record: dict[str, Any]) -> None:
         """Append one record; the job file is written with the first record (a job that fails before
-        producing anything leaves no file behind)."""
-        if not self.path.exists() or not self.path.stat().st_size:
-            self._write_job_file()
+        producing anything leaves no file behind, and a failed write no torn line)."""
+        first = not self.path.exists() or not self.path.stat().st_size
         line = json.dumps({"index": index, **record})
-        with self.path.open("a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        size = self.path.stat().st_size if not first else 0
+        try:
+            if first:
+                self._write_job_file()
+            with self.path.open("a") as f:
+                f.write(line + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                if first:
+                    self.path.unlink(missing_ok=True)
+                    self.job_path.unlink(missing_ok=True)
+                else:
+                    os.truncate(self.path, size)
+            raise ValueError(f"output: cannot write {self.path} ({e.strerror or e})") from None
         self._records.append(line)
         self.done.add(index)
 
@@ -163,9 +178,11 @@ def holding(output: Path) -> Iterator[None]:
     """Hold the exclusive lock of `output` for the block (see the module docstring). Refuses with a
     ValueError naming the holder when another process holds it, or naming the path when the output
     cannot be written there."""
-    if output.is_dir():
-        raise ValueError(f"output: {output} is a directory; give a .jsonl file path")
+    for path in (output, job_file(output)):
+        if path.is_dir():
+            raise ValueError(f"output: {path} is a directory; give a .jsonl file path")
     path = lock_path(output)
+    created = [p for p in (output.parent, *output.parent.parents) if not p.exists()]
     while True:
         try:
             output.parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +212,9 @@ def holding(output: Path) -> Iterator[None]:
     finally:
         path.unlink(missing_ok=True)  # while still holding it, so no one locks a file about to vanish
         os.close(fd)
+        for directory in created:  # folders made for a job that wrote nothing go again
+            with contextlib.suppress(OSError):
+                directory.rmdir()
 
 
 def chunks(indices: list[int], size: int) -> Iterator[list[int]]:
@@ -207,16 +227,10 @@ def part_path(output: Path, process: int, processes: int) -> Path:
     return output.with_name(f"{output.stem}.part-{process:05d}-of-{processes:05d}{output.suffix}")
 
 
-def run_job(
-    config: JobConfig,
-    build: Callable[[JobConfig], tuple[Callable[[list[str], int], list[dict[str, Any]]], int]],
-    *,
-    progress: bool = True,
-) -> Path:
-    """Run the job: lock the files this process writes, read the prompts, then build the solver
-    (`build(config) -> (solve, prompts per call)`, which loads the models) and drive
-    `solve(prompts, first_index) -> records` over the pending prompts (this process's block of them
-    when several processes run the job)."""
+def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress: bool = True) -> Path:
+    """Run the job: lock the files this process writes, read the prompts, build the solver (which
+    loads the models), check every prompt, then drive `solve(prompts, first_index) -> records` over
+    the pending prompts (this process's block of them when several processes run the job)."""
     output_path, process, processes = Path(config.output), jax.process_index(), jax.process_count()
     with contextlib.ExitStack() as held:
         if process == 0:
@@ -225,7 +239,9 @@ def run_job(
             held.enter_context(holding(part_path(output_path, process, processes)))
         prompts = read_prompts(config.data, config.limit)
         output = JsonlOutput(output_path, config)
-        solve, prompts_per_call = build(config)
+        solver = build(config)
+        solver.check(prompts)
+        solve, prompts_per_call = solver.solve, solver.prompts_per_call
         if processes == 1:
             _merge_parts(output, config)  # parts left by a multi-process run
             _solve_into(output, range(len(prompts)), prompts, solve, prompts_per_call, progress)
@@ -237,7 +253,7 @@ def _run_part(
     output: JsonlOutput,
     config: JobConfig,
     prompts: list[str],
-    solve: Callable[[list[str], int], list[dict[str, Any]]],
+    solve: Solve,
     prompts_per_call: int,
     progress: bool,
 ) -> Path:
@@ -290,7 +306,7 @@ def _solve_into(
     output: JsonlOutput,
     indices: range,
     prompts: list[str],
-    solve: Callable[[list[str], int], list[dict[str, Any]]],
+    solve: Solve,
     prompts_per_call: int,
     progress: bool,
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -13,10 +14,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxsr.checks import check_bool
 from jaxsr.loading import param_cache
+from jaxsr.loading.files import CheckpointError, read_json, with_file
 from jaxsr.loading.hf_config import decoder_config_from_hf, hf_config_from_decoder
 from jaxsr.loading.params import place_params
-from jaxsr.loading.safetensors import CheckpointError, SafetensorsCheckpoint, write_safetensors
+from jaxsr.loading.safetensors import SafetensorsCheckpoint, write_safetensors
 from jaxsr.loading.weights import convert_hf_tensors, export_hf_tensors
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
@@ -34,6 +37,8 @@ def check_dtype(dtype: str) -> str:
 
 def resolve_source(source: str | Path, revision: str | None = None) -> Path:
     """A local directory or .gguf file as is; anything else is treated as a hub id and downloaded."""
+    if not isinstance(source, str | os.PathLike):
+        raise TypeError(f"source: expected a path or a hub id, got {type(source).__name__}")
     path = Path(source).expanduser()
     if path.exists():
         return path
@@ -51,32 +56,49 @@ def load_tokenizer(directory: Path) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    except Exception as e:  # transformers and tokenizers raise many types for a bad file
+        raise CheckpointError(f"{directory}: the tokenizer files cannot be read: {e}") from e
 
 
-def _eos_ids(hf_config: dict[str, Any], directory: Path | None, tokenizer: Any) -> tuple[int, ...]:
+def _eos_ids(
+    hf_config: dict[str, Any], path: Path, is_gguf: bool, tokenizer: Any, vocab: int
+) -> tuple[int, ...]:
+    """End-of-sequence ids from generation_config.json, config.json and the tokenizer, in that order."""
     ids: list[int] = []
-    sources = [hf_config]
-    if directory is not None and (directory / "generation_config.json").exists():
-        sources.insert(0, json.loads((directory / "generation_config.json").read_text()))
-    for cfg in sources:
+    sources = [(path if is_gguf else path / "config.json", hf_config)]
+    if not is_gguf and (path / "generation_config.json").exists():
+        sources.insert(0, (path / "generation_config.json", read_json(path / "generation_config.json")))
+    for file, cfg in sources:
         eos = cfg.get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in eos):
+            raise CheckpointError(
+                f"{file}: eos_token_id must be a token id in [0, {vocab}) or a list of them, got {eos}"
+            )
+        ids += eos
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _read_checkpoint(path: Path, is_gguf: bool) -> tuple[dict[str, Any], Mapping[str, Any], Any]:
-    """(HF config dict, HF-named tensors, tokenizer) of a GGUF file or a checkpoint directory."""
+def _read_checkpoint(
+    path: Path, is_gguf: bool
+) -> tuple[dict[str, Any], DecoderConfig, Mapping[str, Any], Any]:
+    """(HF config dict, its DecoderConfig, HF-named tensors, tokenizer) of a GGUF file or a checkpoint
+    directory; a config error names the file it came from."""
     if is_gguf:
         from jaxsr.loading.gguf import read_gguf
 
-        return read_gguf(path)
+        hf_config, tensors, tokenizer = read_gguf(path)
+        return hf_config, with_file(path, decoder_config_from_hf, hf_config), tensors, tokenizer
     config_file = path / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{path}: no config.json")
-    return json.loads(config_file.read_text()), SafetensorsCheckpoint(path), load_tokenizer(path)
+    hf_config = read_json(config_file)
+    config = with_file(config_file, decoder_config_from_hf, hf_config)
+    return hf_config, config, SafetensorsCheckpoint(path), load_tokenizer(path)
 
 
 def _decoder(config: DecoderConfig, dtype: str) -> Callable[[], Decoder]:
@@ -90,8 +112,12 @@ def _restore_cached(
     entry = param_cache.lookup(path)
     if entry is None:
         return None
-    config = decoder_config_from_hf(entry.hf_config)
     try:
+        try:
+            config = decoder_config_from_hf(entry.hf_config)
+        except ValueError as e:
+            entry.discard()
+            raise param_cache.CacheError(f"{entry.path}: the stored config is not a decoder's ({e})") from e
         graph, params = entry.restore(_decoder(config, dtype), dtype, mesh)
         tokenizer = entry.tokenizer() if is_gguf else load_tokenizer(path)
     except param_cache.CacheError as e:
@@ -101,7 +127,7 @@ def _restore_cached(
 
 
 def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | None, cache: bool) -> Model:
-    dtype = check_dtype(dtype)
+    dtype, cache = check_dtype(dtype), check_bool("cache", cache)
     check_mesh(mesh)
     path = resolve_source(source, revision)
     is_gguf = path.is_file() and path.suffix == ".gguf"
@@ -112,9 +138,8 @@ def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | Non
         hf_config, graph, params, tokenizer = cached
         config = decoder_config_from_hf(hf_config)
     else:
-        hf_config, tensors, tokenizer = _read_checkpoint(path, is_gguf)
-        config = decoder_config_from_hf(hf_config)
-        arrays = convert_hf_tensors(config, tensors)
+        hf_config, config, tensors, tokenizer = _read_checkpoint(path, is_gguf)
+        arrays = with_file(path, convert_hf_tensors, config, tensors)
         if cache:
             param_cache.store(path, hf_config, arrays, tokenizer if is_gguf else None)
         graph, params = place_params(_decoder(config, dtype), arrays, dtype, mesh)
@@ -126,7 +151,7 @@ def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | Non
         tokenizer=tokenizer,
         mesh=mesh,
         name=str(source),
-        eos_token_ids=_eos_ids(hf_config, None if is_gguf else path, tokenizer),
+        eos_token_ids=_eos_ids(hf_config, path, is_gguf, tokenizer, config.vocab_size),
     )
 
 

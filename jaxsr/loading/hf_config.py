@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxsr.loading.files import positive_float, positive_int
 from jaxsr.models.config import DecoderConfig, RopeScaling
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
@@ -21,77 +22,96 @@ _ACTIVATIONS = {
 }
 
 
-def _activation(name: str) -> str:
-    if name not in _ACTIVATIONS:
-        raise ValueError(
-            f"config.json: hidden_act {name!r} is not supported; expected one of {sorted(_ACTIVATIONS)}"
-        )
+def _activation(name: Any) -> str:
+    if not isinstance(name, str) or name not in _ACTIVATIONS:
+        raise ValueError(f"hidden_act {name!r} is not supported; expected one of {sorted(_ACTIVATIONS)}")
     return _ACTIVATIONS[name]
 
 
 def _num_labels(hf: dict[str, Any]) -> int:
     architectures = hf.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ValueError(f"field 'architectures': expected a list of class names, got {architectures!r}")
     if not any(a.endswith("ForSequenceClassification") for a in architectures):
         return 0
-    return int(hf.get("num_labels") or len(hf.get("id2label") or {}) or 1)
+    labels = hf.get("id2label")
+    return positive_int(hf, "num_labels", len(labels) if isinstance(labels, dict) and labels else 1)
+
+
+def _epsilon(hf: dict[str, Any], key: str, default: float) -> float:
+    """A normalisation epsilon: positive and small (a large one flattens every activation)."""
+    eps = positive_float(hf, key, default)
+    if eps >= 0.1:
+        raise ValueError(f"field {key!r}: expected a small positive number, got {eps}")
+    return eps
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from `rope_theta`+`rope_scaling` (v4) or `rope_parameters` (v5)."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {}) or params
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    params, scaling = (hf.get(key) or {} for key in ("rope_parameters", "rope_scaling"))
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ValueError(f"field {key!r}: expected an object, got {value!r}")
+    scaling = scaling or params
+    theta = positive_float(params, "rope_theta", positive_float(hf, "rope_theta", 10000.0))
+    if theta <= 1.0:
+        raise ValueError(f"field 'rope_theta': expected a base > 1, got {theta}")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise ValueError(f"config.json: rope type {kind!r} is not supported (supported: default, llama3)")
+        raise ValueError(f"rope type {kind!r} is not supported (supported: default, llama3)")
     return theta, RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        factor=positive_float(scaling, "factor"),
+        low_freq_factor=positive_float(scaling, "low_freq_factor"),
+        high_freq_factor=positive_float(scaling, "high_freq_factor"),
+        original_max_position_embeddings=positive_int(scaling, "original_max_position_embeddings"),
     )
 
 
 def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, int]:
     """(window, first windowed layer) as Hugging Face applies them, or (None, 0) for full attention."""
-    window, layers = hf.get("sliding_window"), hf["num_hidden_layers"]
+    window, layers = hf.get("sliding_window"), positive_int(hf, "num_hidden_layers")
     if not window or model_type not in ("mistral", "qwen2", "qwen3"):
         return None, 0
     if model_type == "mistral":
-        return int(window), 0
+        return positive_int(hf, "sliding_window"), 0
     if hf.get("layer_types") is not None:
+        if not isinstance(hf["layer_types"], list) or len(hf["layer_types"]) != layers:
+            raise ValueError(f"field 'layer_types': expected a list of {layers} attention kinds")
         sliding = [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
-        return (int(window), sliding[0]) if sliding else (None, 0)
-    first = int(hf.get("max_window_layers", layers))
-    return (int(window), first) if hf.get("use_sliding_window") and first < layers else (None, 0)
+        return (positive_int(hf, "sliding_window"), sliding[0]) if sliding else (None, 0)
+    first = hf.get("max_window_layers", layers)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"field 'max_window_layers': expected an integer >= 0, got {first!r}")
+    windowed = hf.get("use_sliding_window") and first < layers
+    return (positive_int(hf, "sliding_window"), first) if windowed else (None, 0)
 
 
 def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
         raise ValueError(
-            f"config.json: unknown architecture model_type={model_type!r} "
+            f"unknown architecture model_type={model_type!r} "
             f"(architectures={hf.get('architectures')}); jaxsr supports {', '.join(SUPPORTED)}"
         )
     if model_type == "gpt2":
         if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
-            raise ValueError("config.json: GPT-2 variants with per-layer attention scaling are not supported")
+            raise ValueError("GPT-2 variants with per-layer attention scaling are not supported")
         if hf.get("scale_attn_weights", True) is False:
-            raise ValueError("config.json: GPT-2 with scale_attn_weights=false is not supported")
-        d = hf["n_embd"]
+            raise ValueError("GPT-2 with scale_attn_weights=false is not supported")
+        d, heads = positive_int(hf, "n_embd"), positive_int(hf, "n_head")
         return DecoderConfig(
-            vocab_size=hf["vocab_size"],
+            vocab_size=positive_int(hf, "vocab_size"),
             hidden_size=d,
-            num_layers=hf["n_layer"],
-            num_heads=hf["n_head"],
-            num_kv_heads=hf["n_head"],
-            head_dim=d // hf["n_head"],
-            intermediate_size=hf.get("n_inner") or 4 * d,
-            max_position_embeddings=hf["n_positions"],
+            num_layers=positive_int(hf, "n_layer"),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_dim=d // heads,
+            intermediate_size=positive_int(hf, "n_inner", 4 * d),
+            max_position_embeddings=positive_int(hf, "n_positions"),
             norm="layer",
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            norm_eps=_epsilon(hf, "layer_norm_epsilon", 1e-5),
             position="learned",
             mlp="plain",
             activation=_activation(hf.get("activation_function", "gelu_new")),
@@ -102,20 +122,20 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
             num_labels=_num_labels(hf),
             model_type=model_type,
         )
-    heads = hf["num_attention_heads"]
+    heads, hidden = positive_int(hf, "num_attention_heads"), positive_int(hf, "hidden_size")
     theta, scaling = _rope(hf)
     window, first_sliding_layer = _sliding_window(hf, model_type)
     return DecoderConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
+        vocab_size=positive_int(hf, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=positive_int(hf, "num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        intermediate_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        num_kv_heads=positive_int(hf, "num_key_value_heads", heads),
+        head_dim=positive_int(hf, "head_dim", hidden // heads),
+        intermediate_size=positive_int(hf, "intermediate_size"),
+        max_position_embeddings=positive_int(hf, "max_position_embeddings", 2048),
         norm="rms",
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_eps=_epsilon(hf, "rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         activation=_activation(hf.get("hidden_act", "silu")),

@@ -179,6 +179,21 @@ def lookup(source: Path) -> CacheEntry | None:
         return None
 
 
+_UNUSABLE: set[Path] = set()
+
+
+def _warn_unusable(root: Path, error: OSError) -> None:
+    """Warn once per cache location that cannot be written; loading goes on without the cache."""
+    if root not in _UNUSABLE:
+        _UNUSABLE.add(root)
+        reason = error.strerror or type(error).__name__
+        warnings.warn(
+            f"jaxsr: the parameter cache {root} cannot be written ({reason}); loading without it "
+            f"(set {ENV_VAR} to a writable folder, or to 'off')",
+            stacklevel=3,
+        )
+
+
 def _tmp_prefix() -> str:
     return f".tmp-{re.sub(r'[^A-Za-z0-9]', '_', socket.gethostname())}-"
 
@@ -213,10 +228,14 @@ def store(
     if final is None:
         return None
     root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(root)
     tmp = root / f"{_tmp_prefix()}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(root)
+        tmp.mkdir()
+    except OSError as e:
+        _warn_unusable(root, e)
+        return None
     try:
         tree: dict[str, Any] = {}
         for path, value in arrays.items():

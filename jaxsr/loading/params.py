@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxsr.loading.safetensors import CheckpointError
+from jaxsr.loading.files import CheckpointError
 from jaxsr.sharding import param_sharding
 
 

@@ -8,12 +8,15 @@ reported with its name before any tensor is used.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from jaxsr.loading.files import CheckpointError, inside, read_json
 
 DTYPES = {
     "F64": np.float64,
@@ -29,10 +32,6 @@ DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, or does not match the model it claims to be."""
-
-
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """All tensors of one file, memory-mapped (nothing is read until used)."""
     size = path.stat().st_size
@@ -42,16 +41,16 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             if header_len > size - 8:
                 raise CheckpointError(f"{path}: truncated or not a safetensors file (header too long)")
             header = json.loads(f.read(header_len))
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
     if not isinstance(header, dict) or not all(
         isinstance(info, dict)
         and isinstance(info.get("dtype"), str)
         and isinstance(info.get("shape"), list)
-        and all(isinstance(n, int) and n >= 0 for n in info["shape"])
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in info["shape"])
         and isinstance(info.get("data_offsets"), list)
         and len(info["data_offsets"]) == 2
-        and all(isinstance(n, int) and n >= 0 for n in info["data_offsets"])
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in info["data_offsets"])
         for name, info in header.items()
         if name != "__metadata__"
     ):
@@ -73,7 +72,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         start, end = info["data_offsets"]
         dtype = np.dtype(DTYPES[info["dtype"]])
         shape = tuple(info["shape"])
-        if end - start != dtype.itemsize * int(np.prod(shape)):
+        if end - start != dtype.itemsize * math.prod(shape):  # Python ints: no overflow
             raise CheckpointError(f"{path}: tensor {name!r} byte range does not match its shape")
         tensors[name] = (
             mapped[start:end].view(dtype).reshape(shape) if end > start else np.zeros(shape, dtype)
@@ -88,8 +87,11 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
         directory = Path(directory)
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no `weight_map` object")
+            paths = {inside(directory, name, index) for name in weight_map.values()}
+            files = sorted(str(path.relative_to(directory)) for path in paths)
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
             weight_map = {}
@@ -108,7 +110,7 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
         self._tensors: dict[str, np.ndarray] = {}
         for name in files:
             path = directory / name
-            if not path.exists():
+            if not path.is_file():
                 raise CheckpointError(f"{path}: shard listed in model.safetensors.index.json is missing")
             self._tensors.update(read_safetensors(path))
         missing = set(weight_map) - set(self._tensors)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsr.loading.safetensors import CheckpointError
+from jaxsr.loading.files import CheckpointError
 from jaxsr.models.config import DecoderConfig
 
 Transform = Callable[[np.ndarray], np.ndarray]
@@ -156,6 +156,16 @@ def model_rules(cfg: DecoderConfig) -> list[Rule]:
     return rules
 
 
+def check_weight(name: str, tensor: np.ndarray) -> np.ndarray:
+    """`tensor`, which must hold finite floats: an integer, boolean or NaN weight would load and then
+    decode garbage."""
+    if not jnp.issubdtype(tensor.dtype, jnp.floating):
+        raise CheckpointError(f"tensor {name!r} is stored as {tensor.dtype}, expected a float type")
+    if not np.isfinite(tensor).all():
+        raise CheckpointError(f"tensor {name!r} holds NaN or infinite values")
+    return tensor
+
+
 def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) -> dict[Path, np.ndarray]:
     """HF-named tensors → {parameter path: array}, checking that every name is accounted for."""
     rules = model_rules(cfg)
@@ -171,11 +181,7 @@ def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) ->
         if full not in tensors:
             raise CheckpointError(f"missing tensor {full!r}")
         used.add(full)
-        tensor = tensors[full]
-        if not jnp.issubdtype(tensor.dtype, jnp.floating):
-            raise CheckpointError(f"tensor {full!r} is stored as {tensor.dtype}, expected a float type")
-        if not np.isfinite(tensor).all():
-            raise CheckpointError(f"tensor {full!r} holds NaN or infinite values")
+        tensor = check_weight(full, tensors[full])
         if rule.shape is not None and tuple(tensor.shape) != rule.shape:
             raise CheckpointError(
                 f"tensor {full!r} has shape {tuple(tensor.shape)}, expected {rule.shape} for this "

@@ -21,6 +21,13 @@ def as_reward(reward: Any) -> Reward:
     if isinstance(reward, EncoderModel):
         return EmbeddingSimilarity(reward)
     if isinstance(reward, Reward):
+        if not callable(reward.score):
+            raise TypeError(f"reward: its `score` must be a method, got {type(reward.score).__name__}")
+        if isinstance(reward.token_forwards, bool) or not isinstance(reward.token_forwards, int):
+            raise TypeError(f"reward: its `token_forwards` must be an int, got {reward.token_forwards!r}")
+        scorer = getattr(reward, "token_scorer", None)
+        if scorer is not None and not callable(scorer):
+            raise TypeError(f"reward: its `token_scorer` must be a method, got {type(scorer).__name__}")
         return reward
     raise TypeError(
         "reward: expected a jaxsr.RewardModel, a jaxsr.EncoderModel, or a reward object with "

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxsr.checks import check_positive_int
+from jaxsr.checks import check_positive_int, check_responses_fit
 from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Sampler, as_sampler, decode
 from jaxsr.decoding.inputs import check_sampling, prepare
 from jaxsr.decoding.sampling import SamplingConfig
@@ -47,9 +47,10 @@ def best_of_n(
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
     lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens
+    check_responses_fit("n", len(encoded) * n, max_new_tokens)
     max_rows = DEFAULT_MAX_ROWS
     if memory_budget is not None:
-        slots = budget_slots(memory_budget, sampler.slot_bytes)
+        slots = budget_slots(memory_budget, sampler.slot_bytes, mesh=sampler.mesh)
         per_row = bucket(max_new_tokens) + sampler.headroom
         prompt_slots = bucket(max(map(len, encoded)))
         if slots < prompt_slots + per_row:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from jaxsr import text
@@ -49,7 +51,7 @@ def score_rows(
     """Reward of each (partial) response (unless already scored on device), and the decoded texts."""
     texts = text.decode_batch(model.tokenizer, token_lists)
     if scores is not None:
-        return check_finite(reward, np.asarray(scores, np.float64)), texts
+        return check_scores(reward, scores, len(token_lists)), texts
     candidates = Candidates(
         prompt_text=prompt_text(model, prompt),
         prompt_ids=prompt_ids,
@@ -58,16 +60,24 @@ def score_rows(
         logprob_sum=np.asarray(logprob_sum, np.float64),
         num_tokens=np.asarray(num_tokens),
     )
-    scores = np.asarray(reward.score(candidates), np.float64) if token_lists else np.zeros(0)
-    if scores.shape != (len(token_lists),):
+    scores = reward.score(candidates) if token_lists else np.zeros(0)
+    return check_scores(reward, scores, len(token_lists)), texts
+
+
+def check_scores(reward: Reward, scores: Any, count: int) -> np.ndarray:
+    """A reward's output as [count] float64 scores, refused unless it is `count` finite real numbers
+    (the search could not rank anything else)."""
+    try:
+        array = np.asarray(scores)
+    except (ValueError, TypeError) as e:  # ragged nesting and the like
+        raise ValueError(f"reward: {reward.name} returned scores numpy cannot read ({e})") from None
+    if array.dtype.kind not in "biuf":
         raise ValueError(
-            f"reward: {reward.name} returned shape {scores.shape} for {len(token_lists)} responses"
+            f"reward: {reward.name} returned {type(scores).__name__} of {array.dtype}, expected real numbers"
         )
-    return check_finite(reward, scores), texts
-
-
-def check_finite(reward: Reward, scores: np.ndarray) -> np.ndarray:
-    """Scores, refused when one is NaN or infinite (the search could not rank them)."""
+    if array.shape != (count,):
+        raise ValueError(f"reward: {reward.name} returned shape {array.shape} for {count} responses")
+    scores = array.astype(np.float64)
     bad = np.flatnonzero(~np.isfinite(scores))
     if bad.size:
         raise ValueError(

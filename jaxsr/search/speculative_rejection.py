@@ -185,6 +185,16 @@ class MemoryPlan:
         return min(wide_enough) if wide_enough else max(fitting)
 
 
+MAX_PROMPT_BUCKET = 2**20
+
+
+def _check_bucket(min_prompt_bucket: Any) -> int:
+    bucket = check_positive_int("min_prompt_bucket", min_prompt_bucket)
+    if bucket > MAX_PROMPT_BUCKET:
+        raise ValueError(f"min_prompt_bucket: expected at most {MAX_PROMPT_BUCKET} slots, got {bucket}")
+    return bucket
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchConfig:
     """The options of one `speculative_rejection` call that every prompt's search shares, validated."""
@@ -206,9 +216,9 @@ class SearchConfig:
         min_first_segment: Any,
         min_prompt_bucket: Any,
     ) -> SearchConfig:
-        if rule not in ("keep_fraction", "quantile"):
+        if not isinstance(rule, str) or rule not in ("keep_fraction", "quantile"):
             raise ValueError(f"rule: expected 'keep_fraction' or 'quantile', got {rule!r}")
-        if isinstance(min_keep, bool) or min_keep not in (0, 1):
+        if not isinstance(min_keep, int | np.integer) or isinstance(min_keep, bool) or min_keep not in (0, 1):
             raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {min_keep!r}")
         if decision_interval is not None:
             decision_interval = check_positive_int("decision_interval", decision_interval)
@@ -218,7 +228,7 @@ class SearchConfig:
             min_keep=int(min_keep),
             decision_interval=decision_interval,
             min_first_segment=check_positive_int("min_first_segment", min_first_segment),
-            min_prompt_bucket=check_positive_int("min_prompt_bucket", min_prompt_bucket),
+            min_prompt_bucket=_check_bucket(min_prompt_bucket),
         )
 
 
@@ -299,7 +309,9 @@ def memory_plan(
     prompt_slots = bucket(prompt_len, config.min_prompt_bucket)
     max_new_tokens = request.max_new_tokens
     fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
-    budget = budget_slots(memory_budget, sampler.slot_bytes, fallback_slots=fallback, mesh=sampler.mesh)
+    budget = budget_slots(
+        memory_budget, sampler.slot_bytes, fallback, sampler.mesh, copies=concurrent_prompts
+    )
     if memory_budget is None and fallback is None:
         budget //= concurrent_prompts  # derived from the device: shared by the prompts in flight
     return MemoryPlan(

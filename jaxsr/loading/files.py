@@ -1,0 +1,86 @@
+"""Reading a checkpoint's own files: errors that name the file (and the line or field), and paths that
+stay inside the checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not match the model it claims to be."""
+
+
+def read_json(path: Path, expected: type = dict) -> Any:
+    """The JSON value of `path`, which must be an `expected` (a JSON object by default)."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: JSON nested too deeply to be a checkpoint file") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if not isinstance(value, expected):
+        kinds = {dict: "an object", list: "a list"}
+        raise CheckpointError(
+            f"{path}: holds a JSON {type(value).__name__}, expected {kinds.get(expected, expected.__name__)}"
+        )
+    return value
+
+
+def inside(directory: Path, name: object, listed_in: Path) -> Path:
+    """`directory / name` for a file name read from `listed_in`, refused if it leads out of `directory`."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{listed_in}: expected a file name, got {name!r}")
+    # Lexical, not resolved: a hub snapshot's files are symlinks into the cache's blob folder.
+    parts = Path(os.path.normpath(name)).parts
+    if Path(name).is_absolute() or parts[:1] == ("..",):
+        raise CheckpointError(f"{listed_in}: {name!r} points outside {directory}")
+    return directory / name
+
+
+_REQUIRED = object()
+
+
+def positive_int(config: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> int:
+    """`config[key]`, which must be a positive integer (`default` where the key is absent or null)."""
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"field {key!r} is missing")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"field {key!r}: expected a positive integer, got {value!r}")
+    return value
+
+
+def positive_float(config: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> float:
+    """`config[key]`, which must be a finite positive number (`default` where absent or null)."""
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"field {key!r} is missing")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"field {key!r}: expected a finite positive number, got {value!r}")
+    return float(value)
+
+
+def with_file(path: Path, read: Callable[..., T], *args: Any) -> T:
+    """`read(*args)`, its ValueError reworded to name `path` (the file or checkpoint its arguments
+    came from) unless it already does."""
+    try:
+        return read(*args)
+    except ValueError as e:
+        if str(path) in str(e):
+            raise
+        raise CheckpointError(f"{path}: {e}") from None
