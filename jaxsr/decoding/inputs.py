@@ -14,7 +14,6 @@ import numpy as np
 from jaxsr import text
 from jaxsr.checks import check_positive_int, check_seed
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.models.config import DecoderConfig
 from jaxsr.models.model import Model
 
 MAX_PROMPT_ID = 2**30  # prompt ids are int32 on device; a job of any size stays far below
@@ -137,17 +136,8 @@ def check_context(model: Model, prompts: list[list[int]], max_new_tokens: int) -
         if len(ids) + max_new_tokens > cfg.context:
             raise ValueError(
                 f"prompts[{i}]: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} exceed the "
-                f"model's context of {cfg.context}{_window_note(cfg)}"
+                f"model's context of {cfg.context}"
             )
-
-
-def _window_note(cfg: DecoderConfig) -> str:
-    if cfg.context == cfg.max_position_embeddings:
-        return ""
-    return (
-        f" (its sliding attention window, which jaxsr does not apply; positions go up to "
-        f"{cfg.max_position_embeddings})"
-    )
 
 
 def check_row_ids(model: Model, stop_token_ids: Any, prompt_offset: Any) -> tuple[list[int], int]:

@@ -20,8 +20,10 @@ class Segment:
     """Keys [N, kv_heads, head_dim, S], values [N, kv_heads, S, head_dim], and which of them each query
     may see.
 
-    `shared=True`: N is the number of prompts, row b belongs to prompt b // (B // N), and `mask` is
-    [N, S]. `shared=False`: N == B and `mask` is [B, T, S] (per query).
+    `shared=True`: N is the number of prompts, row b belongs to prompt b // (B // N) (G = B // N rows per
+    prompt), and `mask` is [N, S] (the same for every query of the prompt's rows) or, where queries see
+    different keys of the prompt (a sliding window), [N, G, T, S] (per query). `shared=False`: N == B
+    and `mask` is [B, T, S] (per query).
     """
 
     k: jax.Array
@@ -53,7 +55,12 @@ def attend(q: jax.Array, segments: list[Segment], scale: float) -> jax.Array:
             P = seg.k.shape[0]
             grouped = _to_prompt_groups(rows, P)
             s = jnp.einsum("pkmd,pkds->pkms", grouped, seg.k, preferred_element_type=jnp.float32)
-            s = jnp.where(seg.mask[:, None, None, :], s * scale, MASKED)
+            if seg.mask.ndim == 2:
+                mask = seg.mask[:, None, None, :]
+            else:  # per query [P, G, T, S], laid out as the grouped queries (g, t, r)
+                G = B // P
+                mask = jnp.broadcast_to(seg.mask[:, :, :, None, :], (P, G, T, R, S)).reshape(P, 1, G * M, S)
+            s = jnp.where(mask, s * scale, MASKED)
             s = _from_prompt_groups(s, B)
         else:
             s = jnp.einsum("bkmd,bkds->bkms", rows, seg.k, preferred_element_type=jnp.float32)

@@ -44,9 +44,9 @@ class DecoderConfig:
     """Outputs of a sequence-classification (reward) head; 0 means a language-model head."""
     model_type: str = "llama"
     sliding_window: int | None = None
-    """Keys more than this many positions back are masked in layers `first_sliding_layer` onwards
-    (Mistral v0.1; Qwen2/3 with use_sliding_window). jaxsr does not apply the window: it refuses
-    sequences longer than it (`context`), inside which windowed and full attention agree."""
+    """The sliding attention window W, applied in layers `first_sliding_layer` onwards (Mistral v0.1;
+    Qwen2/3 with use_sliding_window) as transformers applies it: a query sees the W most recent keys,
+    itself included; keys W or more positions back are masked. None: full causal attention."""
     first_sliding_layer: int = 0
 
     def __post_init__(self) -> None:
@@ -57,8 +57,9 @@ class DecoderConfig:
 
     @property
     def context(self) -> int:
-        """The longest sequence (prompt + generated) this model computes exactly here."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+        """The longest sequence (prompt + generated) this model takes: its `max_position_embeddings`
+        (a sliding window is applied, it does not shorten the context)."""
+        return self.max_position_embeddings
 
     @property
     def is_reward_model(self) -> bool:

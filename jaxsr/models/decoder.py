@@ -8,6 +8,11 @@ out of the stack on every token (measured 2× slower at batch 1 on CPU). Two ent
   `PromptCache` (a plain forward pass is a prefill whose cache is dropped).
 - `decode(tokens, positions, prompt_cache, rows)`: T new tokens per row; each row attends to its prompt's
   shared cache and to its own `RowCache`, into which the new keys/values are written at `rows.length`.
+
+Sliding attention windows (`DecoderConfig.sliding_window`) are applied as transformers applies them:
+in a windowed layer key k is visible to query q iff k <= q and q - k < W (the query sees W keys,
+itself included). The windowed masks are built once per call and shared by every windowed layer;
+other layers, and models without a window, use the plain causal masks.
 """
 
 from __future__ import annotations
@@ -129,6 +134,14 @@ class Decoder(nnx.Module):
     def _scale(self) -> float:
         return self.config.head_dim**-0.5
 
+    @property
+    def _any_windowed(self) -> bool:
+        cfg = self.config
+        return cfg.sliding_window is not None and cfg.first_sliding_layer < cfg.num_layers
+
+    def _windowed(self, layer: int) -> bool:
+        return self._any_windowed and layer >= self.config.first_sliding_layer
+
     # -- entry points -------------------------------------------------------------------------
     def prefill(self, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, PromptCache]:
         """tokens, mask: [P, S] (left-padded). Returns final hidden [P, S, d] and the prompt cache."""
@@ -136,11 +149,13 @@ class Decoder(nnx.Module):
         positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
         S = tokens.shape[1]
         visible = mask[:, None, :] & jnp.tril(jnp.ones((S, S), bool))[None]
+        if self._any_windowed:  # distances in slots, as transformers: position distances of padded rows
+            local = visible & ~jnp.tril(jnp.ones((S, S), bool), -self.config.sliding_window)[None]
         x = self._embed(tokens, positions)
         keys, values = [], []
-        for block in self.blocks:
+        for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(block, x, positions)
-            segment = Segment.from_projections(k, v, visible)
+            segment = Segment.from_projections(k, v, local if self._windowed(layer) else visible)
             x = self._finish_block(block, x, attend(q, [segment], self._scale))
             keys.append(segment.k)
             values.append(segment.v)
@@ -155,12 +170,26 @@ class Decoder(nnx.Module):
         New keys go to slots rows.length + [0, T) (there must be room: slots past the capacity are
         dropped, and not attended to); the returned cache keeps `length` unchanged — the caller
         advances it by what it accepts (all T for plain sampling, fewer after a rejection).
+
+        Rows are contiguous after their prompt: with L the prompt's length, row slot j holds position
+        L + j and query t of row b is position L + rows.length[b] + t (as `jaxsr.decoding.steps.forward`
+        builds `positions`); slot s of the left-padded prompt buffer of S slots holds position
+        s - (S - L). Sliding windows are measured in these terms.
         """
-        T = tokens.shape[1]
+        B, T = tokens.shape
         # query t of row b sees its cached slots and the new tokens up to itself
         visible = (
             jnp.arange(rows.capacity)[None, None, :] <= rows.length[:, None, None] + jnp.arange(T)[:, None]
         )
+        if self._any_windowed:
+            # query t of row b is at row slot i = length + t (position L + i); row slot j is i - j back,
+            # prompt slot s is i + S - s back: W or more back is out of the window
+            W = self.config.sliding_window
+            P, S = prompt.mask.shape
+            i = (rows.length[:, None] + jnp.arange(T)[None, :])[:, :, None]
+            row_local = visible & (i - jnp.arange(rows.capacity)[None, None, :] < W)
+            near = i + (S - jnp.arange(S))[None, None, :] < W
+            prompt_local = prompt.mask[:, None, None, :] & near.reshape(P, B // P, T, S)
         x = self._embed(tokens, positions)
         keys, values = [], []
         for layer, block in enumerate(self.blocks):
@@ -168,9 +197,10 @@ class Decoder(nnx.Module):
             # write first, then attend over the written cache: the read depends on the write, so a
             # donated cache is updated in place (reading first makes XLA copy it to order the two)
             cache_k, cache_v = rows.write_layer(rows.k[layer], rows.v[layer], k, v)
+            seen, own = (prompt_local, row_local) if self._windowed(layer) else (prompt.mask, visible)
             segments = [
-                Segment(prompt.k[layer], prompt.v[layer], prompt.mask, shared=True),
-                Segment(cache_k, cache_v, visible, shared=False),
+                Segment(prompt.k[layer], prompt.v[layer], seen, shared=True),
+                Segment(cache_k, cache_v, own, shared=False),
             ]
             x = self._finish_block(block, x, attend(q, segments, self._scale))
             keys.append(cache_k)

@@ -96,7 +96,6 @@ class Model:
         if tokens.shape[1] > self.config.context:
             raise ValueError(
                 f"token_ids: length {tokens.shape[1]} exceeds the model's context of {self.config.context}"
-                + ("" if self.config.sliding_window is None else " (its sliding attention window)")
             )
 
     def logits(self, token_ids: Any, attention_mask: Any = None) -> jax.Array:
