@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 
@@ -62,6 +64,26 @@ def host_available_bytes() -> int | None:
         return None
 
 
+def device_free_bytes(devices: Sequence[jax.Device]) -> int | None:
+    """Free memory of the fullest of `devices`, or None where the backend does not report it (CPU)."""
+    free = []
+    for device in devices:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return None
+        free.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
+    return min(free)
+
+
+def available_bytes(devices: Sequence[jax.Device]) -> int | None:
+    """The most a KV cache spread over `devices` could take: their free memory together, or the
+    host's available memory for CPU devices (which all share it); None where neither is known."""
+    if all(device.platform == "cpu" for device in devices):
+        return host_available_bytes()
+    free = [device_free_bytes([device]) for device in devices]
+    return None if None in free else sum(f for f in free if f is not None)
+
+
 def format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -75,4 +97,14 @@ def check_responses_fit(name: str, responses: int, max_new_tokens: int) -> None:
         raise ValueError(
             f"{name}: {responses} responses of up to {max_new_tokens} tokens need at least "
             f"{format_bytes(needed)} of host memory; {format_bytes(available)} is available"
+        )
+
+
+def check_rows_fit(name: str, needed: int, devices: Sequence[jax.Device], advice: str) -> None:
+    """Refuse, before allocating, KV caches of `needed` bytes that `devices` cannot hold."""
+    available = available_bytes(devices)
+    if available is not None and needed > available:
+        raise ValueError(
+            f"{name}: the KV caches need {format_bytes(needed)}, but the {devices[0].platform} has "
+            f"{format_bytes(available)} available; {advice}"
         )

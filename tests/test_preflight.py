@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from tiny import tiny_model
 
 import jaxsr
+from jaxsr import checks
 from jaxsr.data import read_prompts
 from jaxsr.decoding.driver import Sampler, as_sampler
 from jaxsr.loading.embedded import smollm2_draft_path
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.search import memory
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def no_decoding(monkeypatch):
 
 
 def test_a_budget_the_host_cannot_hold_is_refused_before_decoding(lm, no_decoding, monkeypatch):
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2**20)
+    monkeypatch.setattr(checks, "host_available_bytes", lambda: 2**20)
     for call in (jaxsr.speculative_rejection, jaxsr.best_of_n):
         with pytest.raises(ValueError, match=r"memory_budget: '1GiB' needs 1\.00 GiB .* 1\.0 MiB available"):
             call(lm, SelfLikelihood(), [[1, 2, 3]], n=4, memory_budget="1GiB", max_new_tokens=8)
@@ -52,7 +52,7 @@ def test_a_budget_the_host_cannot_hold_is_refused_before_decoding(lm, no_decodin
 
 def test_prompts_in_flight_count_against_the_host(lm, no_decoding, monkeypatch):
     slot = as_sampler(lm, jaxsr.SamplingConfig()).slot_bytes
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 3 * 1024 * slot)
+    monkeypatch.setattr(checks, "host_available_bytes", lambda: 3 * 1024 * slot)
     options = dict(n=4, memory_budget=1024, max_new_tokens=8)
     with pytest.raises(ValueError, match=r"x 4 prompts in flight"):
         jaxsr.speculative_rejection(lm, SelfLikelihood(), [[1, 2]] * 4, concurrent_prompts=4, **options)
@@ -290,3 +290,9 @@ def test_text_that_is_not_unicode_is_named():
     model = jaxsr.load_model(smollm2_draft_path())
     with pytest.raises(ValueError, match=r"^prompts\[1\]: not valid Unicode"):
         jaxsr.generate(model, ["fine", "\ud800 hi"], max_new_tokens=2)
+
+
+def test_a_batch_of_rows_the_host_cannot_hold_is_refused_before_decoding(lm, no_decoding, monkeypatch):
+    monkeypatch.setattr(checks, "host_available_bytes", lambda: 4 * 2**20)  # holds the responses alone
+    with pytest.raises(ValueError, match=r"^max_rows: the KV caches need .* give a smaller max_rows"):
+        jaxsr.generate(lm, [[1, 2]], num_samples=4096, max_rows=4096, max_new_tokens=8)

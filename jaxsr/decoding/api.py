@@ -11,7 +11,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxsr.checks import check_bool, check_positive_int, check_responses_fit
+import jax
+
+from jaxsr.checks import check_bool, check_positive_int, check_responses_fit, check_rows_fit
 from jaxsr.decoding import cost
 from jaxsr.decoding.contrast import ContrastKind, make_contrast
 from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Run, Sampler, as_sampler, decode, samples_of
@@ -99,7 +101,15 @@ def decode_prompts(
         sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
-    check_responses_fit("num_samples", len(request.encoded) * num_samples, request.max_new_tokens)
+    rows = len(request.encoded) * num_samples
+    check_responses_fit("num_samples", rows, request.max_new_tokens)
+    mesh = sampler.mesh
+    check_rows_fit(  # a lower bound on one batch's row caches: its rows times their new tokens
+        "max_rows",
+        min(max_rows, rows) * request.max_new_tokens * sampler.slot_bytes,
+        jax.local_devices()[:1] if mesh is None else list(mesh.local_devices),
+        "give a smaller max_rows",
+    )
     sampler = sampler.with_sampling(request.sampling)
     t0 = time.perf_counter()
     run = decode(sampler, request, num_samples=num_samples, max_rows=max_rows)

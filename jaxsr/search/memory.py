@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxsr.checks import format_bytes, host_available_bytes
+from jaxsr.checks import available_bytes, device_free_bytes, format_bytes
 
 _UNITS = {
     "": 1,
@@ -37,26 +36,6 @@ def parse_bytes(text: str) -> int:
     if not size < MAX_BYTES:
         raise ValueError(f"memory_budget: {text!r} is beyond any machine (more than 2**62 bytes)")
     return int(size)
-
-
-def device_free_bytes(devices: Sequence[jax.Device]) -> int | None:
-    """Free memory of the fullest of `devices`, or None where the backend does not report it (CPU)."""
-    free = []
-    for device in devices:
-        stats = device.memory_stats() or {}
-        if "bytes_limit" not in stats:
-            return None
-        free.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
-    return min(free)
-
-
-def available_bytes(devices: Sequence[jax.Device]) -> int | None:
-    """The most a KV cache spread over `devices` could take: their free memory together, or the
-    host's available memory for CPU devices (which all share it); None where neither is known."""
-    if all(device.platform == "cpu" for device in devices):
-        return host_available_bytes()
-    free = [device_free_bytes([device]) for device in devices]
-    return None if None in free else sum(f for f in free if f is not None)
 
 
 def budget_slots(
