@@ -14,6 +14,8 @@ import transformers
 from tolerance import assert_same_sample
 
 import jaxsr
+from jaxsr.decoding.driver import Sampler
+from jaxsr.loading.embedded import smollm2_draft_path
 from jaxsr.loading.encoder import load_encoder, minilm_path
 from jaxsr.loading.gguf import smollm2_path
 from jaxsr.rewards import Candidates, ClassifierReward, EmbeddingSimilarity, SelfLikelihood, as_reward
@@ -421,3 +423,26 @@ def test_similarity_counts_the_padded_encoder_work(encoder):
     before = reward.token_forwards
     reward.score(candidates(PROMPT, texts[:1]))  # the prompt's embedding is cached
     assert reward.token_forwards - before == encoder.tokenize(texts[:1])[0].size
+
+
+def test_a_reward_template_that_fails_is_refused_before_decoding(rm_checkpoint, monkeypatch):
+    reward_model = jaxsr.load_reward_model(rm_checkpoint[0])
+    reward_model.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{{ raise_exception('no assistant turns') }}"
+        "{% endif %}{{ m.content }}{% endfor %}"
+    )
+    generator = jaxsr.load_model(smollm2_draft_path())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decoding started before the reward could render the prompts")
+
+    monkeypatch.setattr(Sampler, "prefill", refuse)
+    for search in (jaxsr.best_of_n, jaxsr.speculative_rejection):
+        with pytest.raises(ValueError, match=r"no assistant turns.*\(prompts\[0\]\)"):
+            search(generator, reward_model, ["hi", "there"], n=2, max_new_tokens=4, memory_budget=4096)
+
+
+def test_an_encoder_without_a_tokenizer_is_refused_as_a_reward(encoder):
+    bare = dataclasses.replace(encoder, tokenizer=None)
+    with pytest.raises(ValueError, match=r"reward: the encoder .* has no tokenizer"):
+        as_reward(bare)

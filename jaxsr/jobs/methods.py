@@ -27,6 +27,7 @@ from jaxsr.loading.api import load_model, load_reward_model
 from jaxsr.models.model import Model
 from jaxsr.rewards import Reward, SelfLikelihood, as_reward
 from jaxsr.search.best_of_n import best_of_n
+from jaxsr.search.candidates import check_reward
 from jaxsr.search.speculative_rejection import speculative_rejection
 from jaxsr.sharding import make_mesh
 
@@ -106,6 +107,7 @@ def build_solver(config: JobConfig) -> Solver:
     mesh = job_mesh(config)
     model = resolve_model(config.model, config.dtype, mesh)
     models: tuple[Model, ...] = (model,)
+    reward: Reward | None = None
     sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat)
     if config.method == "generate":
@@ -156,6 +158,8 @@ def build_solver(config: JobConfig) -> Solver:
     def check(prompts: list[str]) -> None:
         try:
             prepare(models, prompts, stop_token_ids=(), prompt_offset=0, **common)
+            if reward is not None:
+                check_reward(reward, models[0], prompts)
         except (ValueError, TypeError) as e:  # prompts[i] is the i-th prompt of the data
             raise ValueError(f"data: {config.data}: {e}") from None
 

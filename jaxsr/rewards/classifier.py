@@ -69,6 +69,10 @@ class ClassifierReward:
         except Exception as e:
             raise ValueError(f"reward: the reward model's chat template cannot render the prompt: {e}") from e
 
+    def check(self, prompt: str) -> None:
+        """Refuse, before any decoding, a prompt the reward model's template cannot render."""
+        self.render(prompt, "")
+
     def render(self, prompt: str, response: str) -> list[int]:
         tokenizer = self.model.tokenizer
         text = self.conversation(prompt, response)

@@ -14,6 +14,8 @@ class EmbeddingSimilarity:
     def __init__(self, encoder: EncoderModel):
         if not isinstance(encoder, EncoderModel):
             raise TypeError(f"reward: expected a jaxsr.EncoderModel, got {type(encoder).__name__}")
+        if encoder.tokenizer is None:
+            raise ValueError(f"reward: the encoder {encoder.name} has no tokenizer to embed text with")
         self.encoder = encoder
         self.name = f"embedding_similarity:{encoder.name}"
         self.token_forwards = 0

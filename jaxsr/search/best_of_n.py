@@ -16,7 +16,7 @@ from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Result
 from jaxsr.rewards import as_reward
-from jaxsr.search.candidates import best, score_ids, score_rows, token_scorer
+from jaxsr.search.candidates import best, check_reward, score_ids, score_rows, token_scorer
 from jaxsr.search.memory import budget_slots
 
 
@@ -46,6 +46,7 @@ def best_of_n(
         sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
+    check_reward(reward, sampler.target, prompts)
     lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens
     check_responses_fit("n", len(encoded) * n, max_new_tokens)
     max_rows = DEFAULT_MAX_ROWS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,18 @@ from jaxsr.rewards.classifier import TokenScorer
 def prompt_text(model: Model, prompt: str | list[int]) -> str:
     """The prompt as the reward's user turn: the text itself, or token ids decoded."""
     return prompt if isinstance(prompt, str) else text.decode(model.tokenizer, prompt)
+
+
+def check_reward(reward: Reward, model: Model, prompts: Sequence[str | list[int]]) -> None:
+    """Let the reward refuse, before any decoding, the prompts it could not score (a reward model
+    whose template cannot render them): its optional `check(prompt_text)`."""
+    check = getattr(reward, "check", None)
+    if callable(check):
+        for i, prompt in enumerate(prompts):
+            try:
+                check(prompt_text(model, prompt))
+            except ValueError as e:
+                raise ValueError(f"{e} (prompts[{i}])") from None
 
 
 def token_scorer(

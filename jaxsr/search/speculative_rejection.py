@@ -57,7 +57,7 @@ from jaxsr.models.model import Model
 from jaxsr.results import Result, Sample
 from jaxsr.rewards import as_reward
 from jaxsr.rewards.base import Reward
-from jaxsr.search.candidates import best, score_rows, token_scorer
+from jaxsr.search.candidates import best, check_reward, score_rows, token_scorer
 from jaxsr.search.memory import budget_slots
 from jaxsr.sharding import padded_rows
 from jaxsr.text import left_pad
@@ -281,6 +281,7 @@ def speculative_rejection(
         sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
+    check_reward(reward, sampler.target, prompts)
     # every prompt's plan before any decoding: a prompt that cannot fit its budget is refused up front
     plans = [
         memory_plan(sampler, config, request, len(ids), n, memory_budget, concurrent_prompts)
