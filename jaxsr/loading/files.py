@@ -51,13 +51,18 @@ def inside(directory: Path, name: object, listed_in: Path) -> Path:
 _REQUIRED = object()
 
 
+def _default(key: str, default: Any) -> Any:
+    """What an absent (or null) field reads as: `default`, unless the field is required."""
+    if default is _REQUIRED:
+        raise ValueError(f"field {key!r} is missing")
+    return default
+
+
 def positive_int(config: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> int:
     """`config[key]`, which must be a positive integer (`default` where the key is absent or null)."""
     value = config.get(key)
     if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"field {key!r} is missing")
-        return default
+        return _default(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"field {key!r}: expected a positive integer, got {value!r}")
     return value
@@ -67,9 +72,7 @@ def positive_float(config: Mapping[str, Any], key: str, default: Any = _REQUIRED
     """`config[key]`, which must be a finite positive number (`default` where absent or null)."""
     value = config.get(key)
     if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"field {key!r} is missing")
-        return default
+        return _default(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ValueError(f"field {key!r}: expected a finite positive number, got {value!r}")
     return float(value)
