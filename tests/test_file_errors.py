@@ -19,6 +19,7 @@ from jaxsr.data import read_prompts
 from jaxsr.loading.embedded import smollm2_draft_path
 from jaxsr.loading.encoder import load_encoder, minilm_path
 from jaxsr.loading.files import CheckpointError, inside, read_json
+from jaxsr.loading.safetensors import read_safetensors
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,8 @@ def write_config(directory: Path, config) -> None:
         (lambda c: c | {"rope_parameters": c["rope_parameters"] | {"rope_theta": 1e-300}}, "'rope_theta'"),
         (lambda c: c | {"rms_norm_eps": 1e300}, "'rms_norm_eps'"),
         (lambda c: {"a": "[" * 100000}, "model_type"),
+        (lambda c: c | {"max_position_embeddings": 2**40}, "'max_position_embeddings'"),
+        (lambda c: c | {"tie_word_embeddings": 1}, "'tie_word_embeddings': expected true or false"),
     ],
     ids=[
         "list",
@@ -78,6 +81,8 @@ def write_config(directory: Path, config) -> None:
         "tiny-theta",
         "huge-eps",
         "junk",
+        "huge-context",
+        "tie-int",
     ],
 )
 def test_a_bad_config_field_names_the_file_and_the_field(llama, tmp_path, edit, named):
@@ -192,8 +197,10 @@ def encoder_checkpoint() -> Path:
         ("modules.json", '{"a": 1}', "modules.json: holds a JSON dict, expected a list"),
         ("modules.json", '[{"type": "x.Pooling", "path": "../.."}]', "points outside"),
         ("sentence_bert_config.json", '{"max_seq_length": "long"}', "max_seq_length"),
+        ("sentence_bert_config.json", '{"max_seq_length": true}', "max_seq_length"),
+        ("modules.json", '[{"type": "sentence_transformers.models.Dense", "path": "2_Dense"}]', "Dense"),
     ],
-    ids=["config-json", "config-field", "modules-kind", "modules-escape", "max-seq-length"],
+    ids=["config-json", "config-field", "modules-kind", "modules-escape", "seq-str", "seq-bool", "dense"],
 )
 def test_encoder_files_are_named(encoder_checkpoint, tmp_path, file, content, named):
     # links to the installed files (90 MB of weights), the edited one replaced by a real file
@@ -306,3 +313,20 @@ def test_encoder_weights_are_checked_like_the_decoder_s(encoder_checkpoint, tmp_
     save_file(tensors, directory / "model.safetensors")
     message = refused(directory, loader=load_encoder)
     assert name in message and ("NaN" in message if damage == "nan" else "int32" in message)
+
+
+def test_an_encoder_epsilon_that_flattens_everything_is_refused(encoder_checkpoint, tmp_path):
+    directory = shutil.copytree(encoder_checkpoint, tmp_path / "encoder", copy_function=os.symlink)
+    config = json.loads((directory / "config.json").read_text()) | {"layer_norm_eps": 1e300}
+    (directory / "config.json").unlink()
+    (directory / "config.json").write_text(json.dumps(config))
+    assert "'layer_norm_eps'" in refused(directory, loader=load_encoder)
+
+
+@pytest.mark.parametrize("shape", [[2**62, 0], [0] * 100])
+def test_an_impossible_tensor_shape_names_the_file_and_tensor(tmp_path, shape):
+    header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'w' has an impossible shape"):
+        read_safetensors(file)

@@ -744,3 +744,51 @@ def test_a_malformed_config_file_is_named(tmp_path, text, named, capsys):
     assert cli("run", str(path)) == 2
     error = capsys.readouterr().err
     assert named in error and "Traceback" not in error
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused_before_loading(job, tmp_path, capsys, monkeypatch):
+    config_path, _ = job
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    monkeypatch.setattr("jaxsr.jobs.methods.resolve_model", _refuse_to_load)
+    assert cli("run", str(config_path), f"output={fifo}") == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert fifo.exists()
+
+
+def test_records_of_prompts_the_data_does_not_have_are_refused(job, capsys):
+    config_path, output = job
+    assert cli("run", str(config_path)) == 0
+    _, records = read_jsonl(output)
+    bogus = json.loads(json.dumps(records[0])) | {"index": len(PROMPTS) + 5}
+    with output.open("a") as f:
+        f.write(json.dumps(bogus) + "\n")
+    assert cli("run", str(config_path)) == 2
+    assert "holds a record of prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("index", ['"0"', "-1", "true"])
+def test_a_record_whose_index_is_not_a_prompt_index_is_refused(job, index, capsys):
+    config_path, output = job
+    assert cli("run", str(config_path)) == 0
+    with output.open("a") as f:
+        f.write('{"index": ' + index + "}\n")
+    assert cli("run", str(config_path)) == 2
+    assert "is not a jaxsr record" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("a: &x [1, 2]\nb: *x\n", "aliases (*name) are not allowed"),
+        ("method: [unclosed\n", "job.yaml:2:1: not valid YAML"),
+        ("seed: -1\n", "seed: expected an int in [0, 2**32)"),
+    ],
+    ids=["alias", "position", "seed"],
+)
+def test_config_files_are_refused_in_one_line(tmp_path, text, named, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    assert cli("run", str(path)) == 2
+    error = capsys.readouterr().err
+    assert named in error and error.count("\n") == 1, error

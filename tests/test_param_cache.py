@@ -260,3 +260,11 @@ def test_an_unusable_cache_location_loads_without_it_and_warns_once(tmp_path, ch
     assert len([w for w in caught if "parameter cache" in str(w.message)]) == 1
     assert_same_params(first, second)
     assert blocker.read_text() == "not a folder"
+
+
+def test_a_meta_file_nested_too_deeply_is_a_damaged_entry(cache_dir, checkpoint, monkeypatch):
+    first = jaxsr.load_model(checkpoint)
+    (entries(cache_dir)[0] / "meta.json").write_text("[" * 200000 + "]" * 200000)
+    with pytest.warns(UserWarning, match="damaged entry"):
+        again = jaxsr.load_model(checkpoint)
+    assert_same_params(first, again)

@@ -270,6 +270,7 @@ RETURNED = {
     "dict": lambda n: {"a": 1},
     "generator": lambda n: (x for x in range(n)),
     "huge-int": lambda n: [10**400] * n,
+    "masked": lambda n: np.ma.masked_all(n),
 }
 
 
@@ -296,3 +297,7 @@ def test_a_batch_of_rows_the_host_cannot_hold_is_refused_before_decoding(lm, no_
     monkeypatch.setattr(checks, "host_available_bytes", lambda: 4 * 2**20)  # holds the responses alone
     with pytest.raises(ValueError, match=r"^max_rows: the KV caches need .* give a smaller max_rows"):
         jaxsr.generate(lm, [[1, 2]], num_samples=4096, max_rows=4096, max_new_tokens=8)
+    # caches are sized by the bucket of max_new_tokens (16 slots here), not by max_new_tokens itself
+    monkeypatch.setattr(checks, "host_available_bytes", lambda: 4 * 2**20)
+    with pytest.raises(ValueError, match=r"^max_rows: the KV caches need"):
+        jaxsr.generate(lm, [[1, 2]], num_samples=2048, max_rows=2048, max_new_tokens=1)

@@ -21,6 +21,7 @@ from jaxsr.decoding.inputs import Request, check_language_model, check_pair, pre
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import SpeculativeContrastiveDecoding, SpeculativeDecoding
 from jaxsr.decoding.steps import ContrastiveDecoding
+from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Result
 
@@ -104,9 +105,9 @@ def decode_prompts(
     rows = len(request.encoded) * num_samples
     check_responses_fit("num_samples", rows, request.max_new_tokens)
     mesh = sampler.mesh
-    check_rows_fit(  # a lower bound on one batch's row caches: its rows times their new tokens
+    check_rows_fit(  # a lower bound on one batch's row caches (as `decode` sizes them; prompts aside)
         "max_rows",
-        min(max_rows, rows) * request.max_new_tokens * sampler.slot_bytes,
+        min(max_rows, rows) * (bucket(request.max_new_tokens) + sampler.headroom) * sampler.slot_bytes,
         jax.local_devices()[:1] if mesh is None else list(mesh.local_devices),
         "give a smaller max_rows",
     )

@@ -109,6 +109,8 @@ class JobConfig:
             if not any(_is_instance(value, t) for t in allowed):
                 names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
                 raise ValueError(f"{field.name}: expected {names}, got {value!r}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed}")
         if not self.output.endswith(".jsonl"):
             raise ValueError(f"output: expected a path ending in .jsonl, got {self.output!r}")
         if self.decoder is not None and self.decoder not in DECODERS:
@@ -152,9 +154,22 @@ def _is_instance(value: Any, kind: type) -> bool:
     return isinstance(value, kind)
 
 
+class _PlainLoader(yaml.SafeLoader):
+    """YAML without aliases (`*name`): a config has no use for them, and nested aliases expand
+    exponentially (a few lines can ask for gigabytes)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in a job config", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+
 def _parse_value(text: str) -> Any:
     try:
-        return yaml.safe_load(text) if text != "" else ""
+        return yaml.load(text, Loader=_PlainLoader) if text != "" else ""
     except yaml.YAMLError:
         return text  # not YAML (e.g. `output=[a`): the text itself, which the field's check judges
 
@@ -164,9 +179,12 @@ def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobCo
     values: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_bytes().decode("utf-8")) or {}
+            loaded = yaml.load(Path(path).read_bytes().decode("utf-8"), Loader=_PlainLoader) or {}
         except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML ({e})") from e
+            mark = getattr(e, "problem_mark", None)
+            where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"{path}{where}: not valid YAML ({problem})") from None
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
         except RecursionError:

@@ -37,7 +37,7 @@ from jaxsr.jobs.methods import resolve_model, resolve_reward
 from jaxsr.ladder import bucket
 from jaxsr.results import Result
 from jaxsr.search.best_of_n import best_of_n
-from jaxsr.search.speculative_rejection import speculative_rejection
+from jaxsr.search.speculative_rejection import check_rejection_rate, speculative_rejection
 
 DATA = "alpaca_farm_100"
 PROMPT_BUCKET = 64  # every demo prompt's chat-templated length lies in this bucket: one prompt shape
@@ -68,6 +68,10 @@ def run_demo(
     if not ns:
         raise ValueError("n: give at least one Best-of-N size")
     gamma, seed = check_positive_int("gamma", gamma), check_seed(seed)
+    rejection_rate = check_rejection_rate(rejection_rate)
+    available = len(read_prompts(DATA))
+    if count > available:
+        raise ValueError(f"prompts: {DATA} has {available} prompts, fewer still in one length bucket")
     out_dir = Path(output_dir)
     try:  # before minutes of decoding: the results must have somewhere to go
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -94,10 +94,14 @@ class JsonlOutput:
                 f"output: {self.path} already holds records of a different job ({whose}; this job is "
                 f"{self.fingerprint}); choose another output path or remove that file"
             )
-        try:
-            self.done = {json.loads(line)["index"] for line in lines}
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"output: {self.path} holds a line that is not a jaxsr record ({e})") from None
+        for number, line in enumerate(lines, 1):
+            try:
+                index = json.loads(line)["index"]
+            except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
+                index = None
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise ValueError(f"output: line {number} of {self.path} is not a jaxsr record")
+            self.done.add(index)
         self._records = lines
         if read_only:
             return
@@ -112,7 +116,7 @@ class JsonlOutput:
         """The fingerprint in the job file beside the output (None when absent or unreadable)."""
         try:
             return json.loads(self.job_path.read_text()).get("jaxsr_job")
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError):
             return None
 
     @staticmethod
@@ -130,7 +134,8 @@ class JsonlOutput:
     def write(self, index: int, record: dict[str, Any]) -> None:
         """Append one record; the job file is written with the first record (a job that fails before
         producing anything leaves no file behind, and a failed write no torn line)."""
-        first = not self.path.exists() or not self.path.stat().st_size
+        existed = self.path.exists()
+        first = not existed or not self.path.stat().st_size
         line = json.dumps({"index": index, **record})
         size = self.path.stat().st_size if not first else 0
         try:
@@ -142,8 +147,9 @@ class JsonlOutput:
                 os.fsync(f.fileno())
         except OSError as e:
             with contextlib.suppress(OSError):
-                if first:
+                if not existed:  # never remove a file that was there before the job
                     self.path.unlink(missing_ok=True)
+                if first:
                     self.job_path.unlink(missing_ok=True)
                 else:
                     os.truncate(self.path, size)
@@ -181,6 +187,8 @@ def holding(output: Path) -> Iterator[None]:
     for path in (output, job_file(output)):
         if path.is_dir():
             raise ValueError(f"output: {path} is a directory; give a .jsonl file path")
+        if path.exists() and not path.is_file():  # a FIFO, a device (a link to one)
+            raise ValueError(f"output: {path} is not a regular file")
     path = lock_path(output)
     created = [p for p in (output.parent, *output.parent.parents) if not p.exists()]
     while True:
@@ -239,6 +247,11 @@ def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress
             held.enter_context(holding(part_path(output_path, process, processes)))
         prompts = read_prompts(config.data, config.limit)
         output = JsonlOutput(output_path, config)
+        if output.done and max(output.done) >= len(prompts):
+            raise ValueError(
+                f"output: {output.path} holds a record of prompt {max(output.done)}, but the data has "
+                f"{len(prompts)} prompts; it is not this job's output"
+            )
         solver = build(config)
         solver.check(prompts)
         solve, prompts_per_call = solver.solve, solver.prompts_per_call

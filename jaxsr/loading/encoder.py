@@ -19,9 +19,9 @@ from jaxsr.loading.api import check_dtype, load_tokenizer, resolve_source
 from jaxsr.loading.files import (
     CheckpointError,
     inside,
-    positive_float,
     positive_int,
     read_json,
+    small_epsilon,
     with_file,
 )
 from jaxsr.loading.params import place_params
@@ -77,7 +77,7 @@ def encoder_config_from_hf(hf: Mapping[str, Any]) -> EncoderConfig:
         intermediate_size=positive_int(hf, "intermediate_size"),
         max_position_embeddings=positive_int(hf, "max_position_embeddings", 512),
         type_vocab_size=positive_int(hf, "type_vocab_size", 2),
-        layer_norm_eps=positive_float(hf, "layer_norm_eps", 1e-12),
+        layer_norm_eps=small_epsilon(hf, "layer_norm_eps", 1e-12),
         activation=_ACTIVATIONS[act],
     )
 
@@ -179,8 +179,13 @@ def _max_length(directory: Path, cfg: EncoderConfig, tokenizer: Any) -> int:
     return min(limit, cfg.max_position_embeddings)
 
 
+SENTENCE_MODULES = ("Transformer", "Pooling", "Normalize")
+"""The sentence-transformers modules `embed` computes: the encoder, masked mean pooling, L2 norm."""
+
+
 def _check_pooling(directory: Path) -> None:
-    """Refuse a sentence-transformers checkpoint whose pooling is not the masked mean `embed` computes."""
+    """Refuse a sentence-transformers checkpoint whose modules or pooling are not what `embed`
+    computes (encoder, masked mean, normalisation)."""
     modules_file = directory / "modules.json"
     if not modules_file.exists():
         return
@@ -190,6 +195,11 @@ def _check_pooling(directory: Path) -> None:
         kind = module.get("type", "")
         if not isinstance(kind, str):
             raise CheckpointError(f"{modules_file}: a module's type must be a class path, got {kind!r}")
+        if kind.rpartition(".")[2] not in SENTENCE_MODULES:
+            raise ValueError(
+                f"{modules_file}: module {kind!r} is not supported (embed computes "
+                f"{' → '.join(SENTENCE_MODULES)} only)"
+            )
         if kind.endswith(".Pooling"):
             config_file = inside(directory, module.get("path") or ".", modules_file) / "config.json"
             modes = read_json(config_file) if config_file.exists() else {}
@@ -215,7 +225,7 @@ def load_encoder(
         raise CheckpointError(f"{path}: no config.json")
     config = with_file(config_file, encoder_config_from_hf, read_json(config_file))
     _check_pooling(path)
-    arrays = convert_bert_tensors(config, SafetensorsCheckpoint(path))
+    arrays = with_file(path, convert_bert_tensors, config, SafetensorsCheckpoint(path))
     graph, params = place_params(lambda: Encoder(config, dtype=dtype, rngs=nnx.Rngs(0)), arrays, dtype, mesh)
     tokenizer = load_tokenizer(path)
     return EncoderModel(

@@ -58,13 +58,36 @@ def _default(key: str, default: Any) -> Any:
     return default
 
 
+MAX_COUNT = 2**30
+"""Sizes (vocabularies, widths, context lengths) are int32 on device: a config past this is broken."""
+
+
 def positive_int(config: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> int:
-    """`config[key]`, which must be a positive integer (`default` where the key is absent or null)."""
+    """`config[key]`, which must be a positive integer below 2**30 (`default` where the key is absent
+    or null)."""
     value = config.get(key)
     if value is None:
         return _default(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"field {key!r}: expected a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < MAX_COUNT:
+        raise ValueError(f"field {key!r}: expected a positive integer below 2**30, got {value!r}")
+    return value
+
+
+def small_epsilon(config: Mapping[str, Any], key: str, default: float) -> float:
+    """A normalisation epsilon: positive and small (a large one flattens every activation)."""
+    eps = positive_float(config, key, default)
+    if eps >= 0.1:
+        raise ValueError(f"field {key!r}: expected a small positive number, got {eps}")
+    return eps
+
+
+def flag(config: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    """A true/false field."""
+    value = config.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"field {key!r}: expected true or false, got {value!r}")
     return value
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxsr.loading.files import positive_float, positive_int
+from jaxsr.loading.files import flag, positive_float, positive_int, small_epsilon
 from jaxsr.models.config import DecoderConfig, RopeScaling
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
@@ -36,14 +36,6 @@ def _num_labels(hf: dict[str, Any]) -> int:
         return 0
     labels = hf.get("id2label")
     return positive_int(hf, "num_labels", len(labels) if isinstance(labels, dict) and labels else 1)
-
-
-def _epsilon(hf: dict[str, Any], key: str, default: float) -> float:
-    """A normalisation epsilon: positive and small (a large one flattens every activation)."""
-    eps = positive_float(hf, key, default)
-    if eps >= 0.1:
-        raise ValueError(f"field {key!r}: expected a small positive number, got {eps}")
-    return eps
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -84,7 +76,7 @@ def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, in
     first = hf.get("max_window_layers", layers)
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise ValueError(f"field 'max_window_layers': expected an integer >= 0, got {first!r}")
-    windowed = hf.get("use_sliding_window") and first < layers
+    windowed = flag(hf, "use_sliding_window") and first < layers
     return (positive_int(hf, "sliding_window"), first) if windowed else (None, 0)
 
 
@@ -111,7 +103,7 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
             intermediate_size=positive_int(hf, "n_inner", 4 * d),
             max_position_embeddings=positive_int(hf, "n_positions"),
             norm="layer",
-            norm_eps=_epsilon(hf, "layer_norm_epsilon", 1e-5),
+            norm_eps=small_epsilon(hf, "layer_norm_epsilon", 1e-5),
             position="learned",
             mlp="plain",
             activation=_activation(hf.get("activation_function", "gelu_new")),
@@ -135,15 +127,15 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         intermediate_size=positive_int(hf, "intermediate_size"),
         max_position_embeddings=positive_int(hf, "max_position_embeddings", 2048),
         norm="rms",
-        norm_eps=_epsilon(hf, "rms_norm_eps", 1e-6),
+        norm_eps=small_epsilon(hf, "rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         activation=_activation(hf.get("hidden_act", "silu")),
-        qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-        out_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
-        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qkv_bias=model_type == "qwen2" or flag(hf, "attention_bias"),
+        out_bias=model_type != "qwen2" and flag(hf, "attention_bias"),
+        mlp_bias=flag(hf, "mlp_bias"),
         qk_norm=model_type == "qwen3",
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=flag(hf, "tie_word_embeddings"),
         num_labels=_num_labels(hf),
         model_type=model_type,
         sliding_window=window,

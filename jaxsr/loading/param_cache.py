@@ -173,8 +173,10 @@ def lookup(source: Path) -> CacheEntry | None:
             raise ValueError("stale entry")
         arrays = {name: ([int(n) for n in a["shape"]], str(a["dtype"])) for name, a in meta["arrays"].items()}
         return CacheEntry(path, dict(meta["hf_config"]), arrays)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        warnings.warn(f"jaxsr: rebuilding the parameter cache: {path}: damaged entry ({e})", stacklevel=3)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else e
+        message = f"jaxsr: rebuilding the parameter cache: {path}: damaged entry ({reason})"
+        warnings.warn(message, stacklevel=3)
         shutil.rmtree(path, ignore_errors=True)
         return None
 

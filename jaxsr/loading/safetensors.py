@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxsr.loading.files import CheckpointError, inside, read_json
 
+MAX_DIMS = 8  # no model tensor has more; numpy refuses past 64
 DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
@@ -72,6 +73,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         start, end = info["data_offsets"]
         dtype = np.dtype(DTYPES[info["dtype"]])
         shape = tuple(info["shape"])
+        if len(shape) > MAX_DIMS or any(n >= 2**48 for n in shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has an impossible shape {list(shape)[:8]}")
         if end - start != dtype.itemsize * math.prod(shape):  # Python ints: no overflow
             raise CheckpointError(f"{path}: tensor {name!r} byte range does not match its shape")
         tensors[name] = (

@@ -70,8 +70,10 @@ class ClassifierReward:
             raise ValueError(f"reward: the reward model's chat template cannot render the prompt: {e}") from e
 
     def check(self, prompt: str) -> None:
-        """Refuse, before any decoding, a prompt the reward model's template cannot render."""
-        self.render(prompt, "")
+        """Refuse, before any decoding, a prompt the reward model's template cannot render (with an
+        empty answer and a short one: templates may treat the two differently)."""
+        for response in ("", "A short answer."):
+            self.render(prompt, response)
 
     def render(self, prompt: str, response: str) -> list[int]:
         tokenizer = self.model.tokenizer

@@ -80,6 +80,8 @@ def score_rows(
 def check_scores(reward: Reward, scores: Any, count: int) -> np.ndarray:
     """A reward's output as [count] float64 scores, refused unless it is `count` finite real numbers
     (the search could not rank anything else)."""
+    if np.ma.isMaskedArray(scores) and np.ma.getmaskarray(scores).any():
+        raise ValueError(f"reward: {reward.name} returned masked scores (no score for some responses)")
     try:
         array = np.asarray(scores)
     except (ValueError, TypeError) as e:  # ragged nesting and the like

@@ -124,7 +124,7 @@ def decide(
     return Book(book.permanent + new, carried), continuing, {"pool": len(pool), "kept": int(kept.sum())}
 
 
-def _check_rate(rejection_rate: Any) -> float:
+def check_rejection_rate(rejection_rate: Any) -> float:
     if isinstance(rejection_rate, bool) or not isinstance(rejection_rate, int | float):
         raise TypeError(f"rejection_rate: expected a float in [0, 1), got {type(rejection_rate).__name__}")
     if not 0 <= rejection_rate < 1:
@@ -223,7 +223,7 @@ class SearchConfig:
         if decision_interval is not None:
             decision_interval = check_positive_int("decision_interval", decision_interval)
         return cls(
-            rate=_check_rate(rejection_rate),
+            rate=check_rejection_rate(rejection_rate),
             rule=rule,
             min_keep=int(min_keep),
             decision_interval=decision_interval,
