@@ -170,7 +170,7 @@ def _check_results(results, prompts, lm) -> None:
 def test_random_arguments_work_or_are_refused_by_name(lm, draft, name):
     outcomes = {"ran": 0, "refused": 0}
 
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(arguments=call_arguments(name))
     def check(arguments):
         sampling = {k: arguments.pop(k) for k in SAMPLING}
