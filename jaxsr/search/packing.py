@@ -70,14 +70,18 @@ def split(state: DecodeState, counters: tuple, *, stacked: int) -> tuple[DecodeS
 
 
 def search_packed(sampler: Sampler, searches: Sequence[PromptSearch], concurrent: int) -> None:
-    """Run every search to its end, at most `concurrent` at once (see the module docstring). Each
-    round's time is shared among the searches in flight (`wall_s`), a stack's decode time evenly among
-    its prompts (`decode_s`: they have the same rows)."""
+    """Run every search to its end, at most `concurrent` at once (see the module docstring). A stack's
+    decode time is shared evenly among its prompts (`decode_s`: they have the same rows). Each prompt's
+    `wall_s` is the time spent on it (prefill, its decode share, scoring, compaction) plus an even share
+    of the round's time spent on no prompt in particular, so a prompt's parts never exceed its wall time
+    and the prompts' wall times add up to the call's."""
     pending, running = list(searches)[::-1], []
     while pending or running:
         t0 = time.perf_counter()
+        spent = [search.attributed() for search in running]
         while pending and len(running) < concurrent:
             search = pending.pop()
+            spent.append(0.0)
             search.start()
             running.append(search)
         groups: dict[tuple, list[PromptSearch]] = defaultdict(list)
@@ -88,9 +92,10 @@ def search_packed(sampler: Sampler, searches: Sequence[PromptSearch], concurrent
         for search in running:
             search.score()
             search.decide()
-        share = (time.perf_counter() - t0) / len(running)
-        for search in running:
-            search.wall += share
+        own = [search.attributed() - before for search, before in zip(running, spent, strict=True)]
+        share = max(0.0, time.perf_counter() - t0 - sum(own)) / len(running)
+        for search, mine in zip(running, own, strict=True):
+            search.wall += mine + share
         running = [s for s in running if not s.finished]
 
 

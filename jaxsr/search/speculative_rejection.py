@@ -474,6 +474,10 @@ class PromptSearch:
         self.live = len(survivors)
         self.timings["compaction_s"] += time.perf_counter() - t0
 
+    def attributed(self) -> float:
+        """Seconds spent on this prompt so far (prefill, decode, scoring, compaction)."""
+        return sum(self.timings.values())
+
     def _finish(self) -> None:
         self.final = sorted([*self.book.permanent, *self.round_samples], key=lambda s: s.index)
         self.finished, self.state, self.prompts, self.host = True, None, (), None  # free the caches
