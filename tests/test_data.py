@@ -36,8 +36,9 @@ def test_the_data_folder_adds_and_shadows_sets(tmp_path, monkeypatch):
 
 
 def test_unknown_sets_and_bad_files_are_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"'nope'.*alpaca_farm_100"):
+    with pytest.raises(FileNotFoundError, match=r"'nope'.*alpaca_farm_100") as error:
         find_dataset("nope")
+    assert isinstance(error.value, ValueError)
     with pytest.raises(ValueError, match="directory"):
         find_dataset(str(tmp_path))
     bad = tmp_path / "bad.json"

@@ -182,6 +182,14 @@ def test_bad_inputs_are_refused(tiny):
         encoder.embed([])
     with pytest.raises(ValueError, match="tokenizer"):
         encoder.embed(["no tokenizer in this checkpoint"])
+    with pytest.raises(TypeError, match=r"texts\[1\]"):
+        encoder.embed(["a", 7])
+    with pytest.raises(ValueError, match=r"texts\[1\]: not valid Unicode"):
+        encoder.embed(["a", "lone \ud800 surrogate"])
+    with pytest.raises(ValueError, match="batch_size"):
+        encoder.embed(["a"], batch_size=0)
+    with pytest.raises(TypeError, match="batch_size"):
+        encoder.embed(["a"], batch_size="2")
     with pytest.raises(ValueError, match="token_ids"):
         encoder.hidden(np.full((1, 4), VOCAB))
     with pytest.raises(ValueError, match="token_ids"):

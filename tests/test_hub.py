@@ -22,8 +22,9 @@ def test_a_string_that_is_neither_a_path_nor_a_hub_id_is_refused():
 
 
 def test_missing_local_paths_are_not_sent_to_the_hub():
-    with pytest.raises(FileNotFoundError, match="source"):
+    with pytest.raises(FileNotFoundError, match="source") as error:
         jaxsr.load_model("./no/such/dir", cache=False)
+    assert isinstance(error.value, ValueError)  # a bad argument, as every other
 
 
 def test_hub_download_is_pinned_and_fetches_no_pickles_or_code(monkeypatch, tmp_path_factory):

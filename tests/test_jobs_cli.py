@@ -113,6 +113,10 @@ def test_yaml_and_typed_overrides(tmp_path):
     assert load_job_config(path, ["memory_budget=512"]).memory_budget == 512
     assert load_job_config(path, ["reward=null"]).reward is None
     assert load_job_config(None, []) == JobConfig()  # no file: the defaults
+    with pytest.raises(ValueError, match=r"config: .*nope\.yaml does not exist"):
+        load_job_config(tmp_path / "nope.yaml", [])
+    with pytest.raises(ValueError, match=r"config: .* is not a regular file"):
+        load_job_config(tmp_path, [])
 
 
 def test_fingerprint_names_the_content_not_the_output(tmp_path):

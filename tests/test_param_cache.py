@@ -114,6 +114,18 @@ def _wrong_shapes(entry: Path) -> None:
     (entry / "meta.json").write_text(json.dumps(meta))
 
 
+def _bad_eos(entry: Path) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    meta["hf_config"]["eos_token_id"] = 10**6  # outside the vocabulary: the stored config, not the source
+    (entry / "meta.json").write_text(json.dumps(meta))
+
+
+def _not_a_decoder(entry: Path) -> None:
+    meta = json.loads((entry / "meta.json").read_text())
+    meta["hf_config"]["num_attention_heads"] = "four"
+    (entry / "meta.json").write_text(json.dumps(meta))
+
+
 def _truncate_metadata(entry: Path) -> None:
     for f in (entry / "params").rglob("*METADATA*"):
         f.write_bytes(f.read_bytes()[:100])
@@ -134,8 +146,12 @@ def _drop_arrays(entry: Path) -> None:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop, on failure
 @pytest.mark.parametrize(
-    "damage", [_delete_meta, _garble_meta, _wrong_shapes, _truncate_metadata, _truncate_data, _drop_arrays]
-)
+    "damage",
+    [
+        _delete_meta, _garble_meta, _wrong_shapes, _bad_eos, _not_a_decoder,
+        _truncate_metadata, _truncate_data, _drop_arrays,
+    ],
+)  # fmt: skip
 def test_damaged_entry_is_ignored_and_rebuilt(cache_dir, checkpoint, monkeypatch, damage):
     reference = jaxsr.load_model(checkpoint, cache=False)
     jaxsr.load_model(checkpoint)

@@ -77,6 +77,16 @@ def test_more_responses_than_the_host_can_hold_are_refused(lm, no_decoding, call
         call(lm)
 
 
+def test_ten_million_responses_do_not_fit_sixteen_gib(lm, no_decoding, monkeypatch):
+    """The per-response cost is what a `Sample` takes (measured): Best-of-10**7 at 64 tokens needs
+    about 29 GiB of host memory for its results."""
+    monkeypatch.setattr(checks, "host_available_bytes", lambda: 16 * 2**30)
+    with pytest.raises(
+        ValueError, match=r"^n: 10000000 responses of up to 64 tokens need at least 29.02 GiB"
+    ):
+        jaxsr.best_of_n(lm, SelfLikelihood(), [[1, 2]], n=10**7, max_new_tokens=64)
+
+
 # -- random arguments -------------------------------------------------------------------------------
 
 GARBAGE = st.one_of(

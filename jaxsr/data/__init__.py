@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from jaxsr.checks import check_positive_int
+from jaxsr.loading.files import MissingFileError
 
 DATA_DIR_ENV = "JAXSR_DATA_DIR"
 BUNDLED_DIR = Path(__file__).resolve().parent
@@ -40,7 +41,7 @@ def find_dataset(name: str) -> Path:
             candidate = root / f"{name}{suffix}"
             if candidate.is_file():
                 return candidate.resolve()
-    raise FileNotFoundError(
+    raise MissingFileError(
         f"data: {name!r} is neither a file nor a known prompt set (bundled: {', '.join(bundled_sets())}; "
         f"more sets can be added as NAME.json/NAME.jsonl in a folder named by ${DATA_DIR_ENV})"
     )

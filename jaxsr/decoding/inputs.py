@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from jaxsr import text
-from jaxsr.checks import check_positive_int, check_seed
+from jaxsr.checks import check_positive_int, check_seed, check_unicode
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.model import Model
 
@@ -102,10 +102,7 @@ def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> l
                 raise ValueError(f"prompts[{i}]: empty prompt")
             if tokenizer is None:
                 raise ValueError(f"prompts[{i}]: text prompts need a model with a tokenizer; pass token ids")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"prompts[{i}]: not valid Unicode text ({e.reason} at {e.start})") from None
+            check_unicode(f"prompts[{i}]", prompt)
             ids = text.encode_user_turn(tokenizer, prompt, chat=use_chat)
             if not ids:
                 raise ValueError(f"prompts[{i}]: encodes to no tokens (check the chat template)")

@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from jaxsr.loading.files import MissingFileError
+
 METHODS = (
     "generate",
     "best_of_n",
@@ -178,6 +180,10 @@ def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobCo
     """Read `path` (YAML mapping) and apply `key=value` overrides; unknown keys get a suggestion."""
     values: dict[str, Any] = {}
     if path is not None:
+        if not Path(path).exists():
+            raise MissingFileError(f"config: {path} does not exist")
+        if not Path(path).is_file():
+            raise ValueError(f"config: {path} is not a regular file")
         try:
             loaded = yaml.load(Path(path).read_bytes().decode("utf-8"), Loader=_PlainLoader) or {}
         except yaml.YAMLError as e:

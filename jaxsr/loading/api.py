@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxsr.checks import check_bool
 from jaxsr.loading import param_cache
-from jaxsr.loading.files import CheckpointError, read_json, with_file
+from jaxsr.loading.files import CheckpointError, MissingFileError, read_json, with_file
 from jaxsr.loading.hf_config import decoder_config_from_hf, hf_config_from_decoder
 from jaxsr.loading.params import place_params
 from jaxsr.loading.safetensors import SafetensorsCheckpoint, write_safetensors
@@ -43,7 +43,7 @@ def resolve_source(source: str | Path, revision: str | None = None) -> Path:
     if path.exists():
         return path
     if str(source).endswith(".gguf") or str(source).startswith((".", "/", "~")):
-        raise FileNotFoundError(f"source: {source} does not exist")
+        raise MissingFileError(f"source: {source} does not exist")
     from jaxsr.loading.hub import download
 
     return download(str(source), revision=revision)
@@ -62,6 +62,17 @@ def load_tokenizer(directory: Path) -> Any:
         raise CheckpointError(f"{directory}: the tokenizer files cannot be read: {e}") from e
 
 
+def _config_eos(cfg: dict[str, Any], file: Path, vocab: int) -> list[int]:
+    """The `eos_token_id` entry of one config (an id or a list of ids inside the vocabulary)."""
+    eos = cfg.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in eos):
+        raise CheckpointError(
+            f"{file}: eos_token_id must be a token id in [0, {vocab}) or a list of them, got {eos}"
+        )
+    return eos
+
+
 def _eos_ids(
     hf_config: dict[str, Any], path: Path, is_gguf: bool, tokenizer: Any, vocab: int
 ) -> tuple[int, ...]:
@@ -71,13 +82,7 @@ def _eos_ids(
     if not is_gguf and (path / "generation_config.json").exists():
         sources.insert(0, (path / "generation_config.json", read_json(path / "generation_config.json")))
     for file, cfg in sources:
-        eos = cfg.get("eos_token_id")
-        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in eos):
-            raise CheckpointError(
-                f"{file}: eos_token_id must be a token id in [0, {vocab}) or a list of them, got {eos}"
-            )
-        ids += eos
+        ids += _config_eos(cfg, file, vocab)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(int(i) for i in ids))
@@ -107,14 +112,16 @@ def _decoder(config: DecoderConfig, dtype: str) -> Callable[[], Decoder]:
 
 def _restore_cached(
     path: Path, is_gguf: bool, dtype: str, mesh: Mesh | None
-) -> tuple[dict[str, Any], nnx.GraphDef, nnx.State, Any] | None:
-    """(HF config, graph, params, tokenizer) from the parameter cache, or None on a miss."""
+) -> tuple[dict[str, Any], DecoderConfig, nnx.GraphDef, nnx.State, Any] | None:
+    """(HF config, its DecoderConfig, graph, params, tokenizer) from the parameter cache, or None on a
+    miss. A stored config that is not a valid decoder's is the cache's fault: the entry is rebuilt."""
     entry = param_cache.lookup(path)
     if entry is None:
         return None
     try:
         try:
             config = decoder_config_from_hf(entry.hf_config)
+            _config_eos(entry.hf_config, entry.path / "meta.json", config.vocab_size)
         except ValueError as e:
             entry.discard()
             raise param_cache.CacheError(f"{entry.path}: the stored config is not a decoder's ({e})") from e
@@ -123,7 +130,7 @@ def _restore_cached(
     except param_cache.CacheError as e:
         warnings.warn(f"jaxsr: rebuilding the parameter cache: {e}", stacklevel=4)
         return None
-    return entry.hf_config, graph, params, tokenizer
+    return entry.hf_config, config, graph, params, tokenizer
 
 
 def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | None, cache: bool) -> Model:
@@ -135,8 +142,7 @@ def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | Non
         raise ValueError(f"source: {source} is neither a checkpoint directory nor a .gguf file")
     cached = _restore_cached(path, is_gguf, dtype, mesh) if cache else None
     if cached is not None:
-        hf_config, graph, params, tokenizer = cached
-        config = decoder_config_from_hf(hf_config)
+        hf_config, config, graph, params, tokenizer = cached
     else:
         hf_config, config, tensors, tokenizer = _read_checkpoint(path, is_gguf)
         arrays = with_file(path, convert_hf_tensors, config, tensors)

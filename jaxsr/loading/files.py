@@ -17,6 +17,10 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not match the model it claims to be."""
 
 
+class MissingFileError(FileNotFoundError, ValueError):
+    """A path argument names nothing: a FileNotFoundError, and (as every bad argument) a ValueError."""
+
+
 def read_json(path: Path, expected: type = dict) -> Any:
     """The JSON value of `path`, which must be an `expected` (a JSON object by default)."""
     try:

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxsr.checks import check_positive_int, check_unicode
 from jaxsr.ladder import bucket
 from jaxsr.models.attention import Segment, attend
 from jaxsr.models.layers import ACTIVATIONS, Norm, param
@@ -247,8 +248,7 @@ class EncoderModel:
         `bucket(longest)`, so a stream of batches compiles one program per (rows, length) bucket.
         """
         _check_texts(texts)
-        if batch_size < 1:
-            raise ValueError(f"batch_size: must be ≥ 1, got {batch_size}")
+        batch_size = check_positive_int("batch_size", batch_size)
         out = []
         for start in range(0, len(texts), batch_size):
             tokens, mask = self.tokenize(texts[start : start + batch_size])
@@ -268,6 +268,7 @@ def _check_texts(texts: Any) -> None:
         raise TypeError(f"texts: expected a list of strings, got {type(texts).__name__}")
     if not texts:
         raise ValueError("texts: empty list")
-    bad = next((t for t in texts if not isinstance(t, str)), None)
-    if bad is not None:
-        raise TypeError(f"texts: expected strings, got a {type(bad).__name__}")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}]: expected a string, got a {type(t).__name__}")
+        check_unicode(f"texts[{i}]", t)
