@@ -12,6 +12,7 @@ from jaxsr.jobs.config import load_job_config
 from jaxsr.jobs.demo import run_demo
 from jaxsr.jobs.methods import build_solver
 from jaxsr.jobs.runner import run_job
+from jaxsr.loading.param_cache import cache_root
 
 
 def join_processes(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
@@ -23,6 +24,14 @@ def join_processes(coordinator: str | None, num_processes: int | None, process_i
         )
     except (ValueError, RuntimeError, IndexError) as e:  # what jax raises for an unusable address
         raise ValueError(f"--coordinator/--num-processes/--process-id: cannot join ({e})") from None
+
+
+def use_compilation_cache() -> None:
+    """Keep XLA's compiled programs across runs in `~/.cache/jaxsr/xla` (a second `jaxsr demo`, or a
+    job resumed after a kill, skips most compilation), unless JAX_COMPILATION_CACHE_DIR names another
+    place or JAXSR_CACHE_DIR is off."""
+    if jax.config.jax_compilation_cache_dir is None and cache_root() is not None:
+        jax.config.update("jax_compilation_cache_dir", str(Path.home() / ".cache" / "jaxsr" / "xla"))
 
 
 def run(config_path: str | None, overrides: list[str], progress: bool = True) -> Path:
@@ -73,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "run":
         args.overrides += extra  # key=value items given after an option
+    use_compilation_cache()
     try:
         if args.command == "run":
             joined = (args.coordinator, args.num_processes, args.process_id)

@@ -12,6 +12,15 @@ os.environ.setdefault("JAXSR_CACHE_DIR", "off")  # tests that exercise the param
 import gc
 from pathlib import Path
 
+# XLA's persistent compilation cache, shared by the test workers and every process they start (README
+# blocks, notebooks, the CLI): they compile the same SmolLM2 programs, each for seconds. Programs that
+# compile in under a second are not stored (JAX's default). A size limit turns on JAX's file lock, so
+# concurrent workers never read a half-written entry.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla")
+)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
+
 import jax
 import pytest
 

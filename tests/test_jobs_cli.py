@@ -796,3 +796,29 @@ def test_config_files_are_refused_in_one_line(tmp_path, text, named, capsys):
     assert cli("run", str(path)) == 2
     error = capsys.readouterr().err
     assert named in error and error.count("\n") == 1, error
+
+
+@pytest.mark.parametrize(
+    ("jaxsr_cache", "expected"), [(None, ".cache/jaxsr/xla"), ("off", None)], ids=["default", "off"]
+)
+def test_the_cli_keeps_compiled_programs_unless_told_otherwise(monkeypatch, tmp_path, jaxsr_cache, expected):
+    import jax
+
+    from jaxsr.cli import use_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if jaxsr_cache is None:
+        monkeypatch.delenv("JAXSR_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("JAXSR_CACHE_DIR", jaxsr_cache)
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        use_compilation_cache()
+        chosen = jax.config.jax_compilation_cache_dir
+        assert chosen == (None if expected is None else str(tmp_path / expected))
+        jax.config.update("jax_compilation_cache_dir", "/elsewhere")  # the user's own choice wins
+        use_compilation_cache()
+        assert jax.config.jax_compilation_cache_dir == "/elsewhere"
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
