@@ -206,14 +206,15 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(noise / np.sqrt(fan_in))
 
 
-def make_model(family: str) -> torch.nn.Module:
-    """The seeded random torch model of `family` (float32, eval mode, eager attention)."""
+def make_model(family: str, **overrides: Any) -> torch.nn.Module:
+    """The seeded random torch model of `family` (float32, eval mode, eager attention), its config
+    kwargs updated with `overrides`."""
     import transformers
 
     if family not in _SPECS:
         raise KeyError(f"unknown family {family!r}; expected one of {FAMILIES}")
     config_cls, model_cls, kwargs = _SPECS[family]
-    config = getattr(transformers, config_cls)(**kwargs)
+    config = getattr(transformers, config_cls)(**(kwargs | overrides))
     torch.manual_seed(_seed(family))
     model = getattr(transformers, model_cls)(config)
     _randomize(model, _seed(family))

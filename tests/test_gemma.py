@@ -16,6 +16,7 @@ import json
 import hf_fixtures as H
 import numpy as np
 import pytest
+import torch
 import transformers
 from flax import nnx
 from safetensors.numpy import load_file
@@ -220,3 +221,80 @@ def test_saved_checkpoint_has_the_original_tensors_and_transformers_computes_the
     else:
         assert _max_diff_on_real(got, expected, mask) < 1e-6
         assert _max_diff_on_real(again.logits(tokens, mask), expected, mask) < TOL
+
+
+# -- GGUF ---------------------------------------------------------------------------------------
+
+QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+"""Projections written as Q8_0 (their rows of 32 inputs are whole Q8_0 blocks)."""
+
+
+def _write_gemma3_gguf(model, path, quantized: tuple[str, ...] = ()) -> None:
+    """`model` as llama.cpp's converter writes a Gemma 3 GGUF: its tensor names, norm weights with
+    the +1 added, and the `quantized` projections in Q8_0."""
+    import gguf
+
+    cfg = model.config
+    rope = cfg.rope_parameters
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_float32("gemma3.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    writer.add_sliding_window(cfg.sliding_window)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":  # tied
+            continue
+        base, suffix = name.rsplit(".", 1)
+        w = tensor.numpy().astype(np.float32)
+        if name.endswith("norm.weight"):
+            w = w + 1
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        if quantized and base.endswith(quantized):
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@torch.no_grad()
+def test_a_gemma3_gguf_matches_torch_within_its_quantisation(tmp_path, monkeypatch):
+    """F32: within 1e-4 of torch. Q8_0: within 1e-4 of torch run on the dequantised weights, and
+    off the exact logits by quantisation error only."""
+    import gguf
+
+    monkeypatch.setenv("JAXSR_CACHE_DIR", str(tmp_path / "param-cache"))
+    # llama.cpp takes query_pre_attn_scalar to be head_dim (for all but the 27B)
+    model = H.make_model("gemma3", query_pre_attn_scalar=16)
+    tokens, mask = _batch()
+    expected = H.torch_logits(model, tokens, mask)
+    _write_gemma3_gguf(model, tmp_path / "f32.gguf")
+    lm = jaxsr.load_model(tmp_path / "f32.gguf", cache=False)
+    assert lm.config.sliding_layers == (0, 1, 2, 3, 4) and lm.config.local_rope_theta == 20.0
+    assert _max_diff_on_real(lm.logits(tokens, mask), expected, mask) < TOL
+
+    _write_gemma3_gguf(model, tmp_path / "q8.gguf", QUANTIZED)
+    quantized = jaxsr.load_model(tmp_path / "q8.gguf", cache=False)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for name, p in model.named_parameters():
+        if name.removesuffix(".weight").endswith(QUANTIZED):
+            p.copy_(torch.as_tensor(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8), q8)))
+    dequantized = H.torch_logits(model, tokens, mask)
+    got = quantized.logits(tokens, mask)
+    assert _max_diff_on_real(got, dequantized, mask) < TOL
+    error = _max_diff_on_real(got, expected, mask)
+    assert 1e-3 < error < 0.05 * np.abs(expected).max(), error
