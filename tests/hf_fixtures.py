@@ -73,6 +73,49 @@ def _gpt2_kwargs(**overrides: Any) -> dict[str, Any]:
     return kw
 
 
+def _gemma_kwargs(**overrides: Any) -> dict[str, Any]:
+    """Gemma with windows of 16 (as the other `test_sliding_window` families), head_dim 16 with
+    query_pre_attn_scalar 24 (so the attention scale is neither head_dim's nor hidden/heads')."""
+    kw: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kw.update(overrides)
+    return kw
+
+
+# Gemma 2 with small soft-caps, so that their tanh is far from linear on O(1–10) scores and logits.
+_GEMMA2 = _gemma_kwargs(num_hidden_layers=4, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)
+# Gemma 3: 5 local layers then a global one (transformers' default pattern), local and global RoPE
+# bases far apart and a linear scaling of the global one (as Gemma 3 4B+).
+_GEMMA3 = _gemma_kwargs(
+    num_hidden_layers=6,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 20.0},
+        "full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0},
+    },
+)
+_SIGLIP = dict(
+    model_type="siglip_vision_model",
+    hidden_size=16,
+    intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+
+
 def _spec(config: str, model: str, **kwargs: Any) -> tuple[str, str, dict[str, Any]]:
     return config, model, kwargs
 
@@ -105,6 +148,16 @@ _SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2_untied": _spec("Qwen2Config", "Qwen2ForCausalLM", **_llama_kwargs()),
     "qwen3": _spec("Qwen3Config", "Qwen3ForCausalLM", **_llama_kwargs(head_dim=16, tie_word_embeddings=True)),
     "gpt2": _spec("GPT2Config", "GPT2LMHeadModel", **_gpt2_kwargs()),
+    "gemma2": _spec("Gemma2Config", "Gemma2ForCausalLM", **_GEMMA2),
+    "gemma3": _spec("Gemma3TextConfig", "Gemma3ForCausalLM", **_GEMMA3),
+    # the multimodal checkpoint: text decoder under `language_model.`, a tiny SigLIP tower beside it
+    "gemma3_multimodal": _spec(
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        text_config=_GEMMA3,
+        vision_config=_SIGLIP,
+        mm_tokens_per_image=4,
+    ),
 }
 _REWARD = {
     "llama": ("LlamaConfig", "LlamaForSequenceClassification", _llama_kwargs()),
@@ -112,6 +165,7 @@ _REWARD = {
     "qwen2": ("Qwen2Config", "Qwen2ForSequenceClassification", _llama_kwargs()),
     "qwen3": ("Qwen3Config", "Qwen3ForSequenceClassification", _llama_kwargs(head_dim=16)),
     "gpt2": ("GPT2Config", "GPT2ForSequenceClassification", _gpt2_kwargs()),
+    "gemma2": ("Gemma2Config", "Gemma2ForSequenceClassification", _GEMMA2),
 }
 for _name, (_cfg, _cls, _kw) in _REWARD.items():
     _SPECS[f"{_name}_rm"] = _spec(_cfg, _cls, **_kw, num_labels=1, pad_token_id=PAD_ID)
@@ -130,14 +184,20 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Re-draw every parameter from a seeded normal.
 
     Embeddings ~ N(0, 0.5²); projection matrices ~ N(0, 1/fan_in); norm scales ~ 1 + N(0, 0.1²);
-    biases (including LayerNorm shifts) ~ N(0, 0.1²).
+    biases (including LayerNorm shifts) ~ N(0, 0.1²). Gemma's RMSNorms multiply by (1 + weight), so
+    their weights ~ N(0, 0.1²): the same scales, and a dropped or doubled 1 is of the order of the logits.
     """
     gen = torch.Generator().manual_seed(seed)
+    offset_norms = {
+        f"{name}.weight"
+        for name, m in model.named_modules()
+        if type(m).__name__.startswith("Gemma") and type(m).__name__.endswith("RMSNorm")
+    }
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
         if p.ndim == 1:
             is_scale = name.endswith("weight") and ("norm" in name or ".ln_" in name)
-            p.copy_(1.0 + 0.1 * noise if is_scale else 0.1 * noise)
+            p.copy_(1.0 + 0.1 * noise if is_scale and name not in offset_norms else 0.1 * noise)
         elif any(k in name for k in ("embed_tokens", "wte", "wpe")):
             p.copy_(0.5 * noise)
         else:
@@ -146,14 +206,15 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(noise / np.sqrt(fan_in))
 
 
-def make_model(family: str) -> torch.nn.Module:
-    """The seeded random torch model of `family` (float32, eval mode, eager attention)."""
+def make_model(family: str, **overrides: Any) -> torch.nn.Module:
+    """The seeded random torch model of `family` (float32, eval mode, eager attention), its config
+    kwargs updated with `overrides`."""
     import transformers
 
     if family not in _SPECS:
         raise KeyError(f"unknown family {family!r}; expected one of {FAMILIES}")
     config_cls, model_cls, kwargs = _SPECS[family]
-    config = getattr(transformers, config_cls)(**kwargs)
+    config = getattr(transformers, config_cls)(**(kwargs | overrides))
     torch.manual_seed(_seed(family))
     model = getattr(transformers, model_cls)(config)
     _randomize(model, _seed(family))

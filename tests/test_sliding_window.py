@@ -1,9 +1,11 @@
-"""Sliding attention windows (Mistral v0.1, Qwen2/3 with use_sliding_window): jaxsr reads the window
+"""Sliding attention windows (Mistral v0.1, Qwen2/3 with use_sliding_window, Gemma 2/3's local
+layers): jaxsr reads the window
 from config.json, keeps it through save_model, and applies it as transformers does (key k is visible to
 query q iff k <= q and q - k < W) in prefill, in cached decoding one token at a time, in multi-token
 decode calls (speculative verification) and so in generation, past the window.
 
-The `*_window` families have W = 16 (mistral_window: every layer; qwen2_window: layer 1 only)."""
+The windowed families have W = 16 (mistral_window: every layer; qwen2_window: layer 1 only; gemma2:
+layers 0 and 2 of 4; gemma3: layers 0-4 of 6)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from jaxsr.text import left_pad
 
 TOL = 1e-4
 """As test_parity: two float32 implementations of logits of O(1–10)."""
-WINDOWED = ["mistral_window", "qwen2_window"]
+WINDOWED = ["mistral_window", "qwen2_window", "gemma2", "gemma3"]
 
 
 @pytest.mark.parametrize(
@@ -46,7 +48,9 @@ WINDOWED = ["mistral_window", "qwen2_window"]
 )
 def test_the_window_and_its_first_layer_are_read_as_transformers_applies_them(config, expected):
     cfg = decoder_config_from_hf(config.to_dict())
-    assert (cfg.sliding_window, cfg.first_sliding_layer) == expected
+    window, first = expected
+    layers = tuple(range(first, config.num_hidden_layers)) if window else ()
+    assert (cfg.sliding_window, cfg.sliding_layers) == (window, layers)
     assert cfg.context == config.max_position_embeddings  # the window does not shorten the context
     saved = hf_config_from_decoder(cfg)
     assert decoder_config_from_hf(saved) == cfg
@@ -73,6 +77,11 @@ def _max_diff_on_real(a, b, mask) -> float:
 
 
 def _drop_window(config: dict) -> None:
+    """Full attention in every layer: no window, or for Gemma (whose local layers keep their own RoPE
+    base in Gemma 3) a window as long as the context."""
+    if config["model_type"].startswith("gemma"):
+        config["sliding_window"] = config["max_position_embeddings"]
+        return
     config["sliding_window"] = None
     config["use_sliding_window"] = False
     config.pop("layer_types", None)
@@ -88,7 +97,7 @@ def test_logits_of_a_left_padded_batch_longer_than_the_window_match_torch(window
 
     # not vacuous: the same weights with full attention agree inside the window only
     full = jaxsr.load_model(H.copy_checkpoint(directory, tmp_path / "full", _drop_window), cache=False)
-    assert full.config.sliding_window is None
+    assert full.config.sliding_window in (None, full.config.context)
     full_logits = full.logits(tokens, mask)
     inside = mask.astype(bool) & (np.cumsum(mask, axis=1) <= W)
     assert _max_diff_on_real(full_logits, expected, inside) < TOL
@@ -188,7 +197,7 @@ def test_a_multi_token_decode_call_across_the_window_matches_torch(windowed, fam
 GREEDY = jaxsr.SamplingConfig(temperature=0)
 
 
-@pytest.mark.parametrize(("family", "draft"), [WINDOWED, WINDOWED[::-1]])
+@pytest.mark.parametrize(("family", "draft"), [WINDOWED[:2], WINDOWED[1::-1], ("gemma3", "gemma2")])
 def test_greedy_generation_past_the_window_matches_torch_generate(windowed, family, draft):
     """jaxsr.generate and greedy speculative decoding (γ = 4: verify calls of 5 tokens, the draft
     windowed as well) give transformers' greedy tokens, 24 past prompts of 10 and 5."""

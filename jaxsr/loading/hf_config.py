@@ -6,10 +6,15 @@ import dataclasses
 from typing import Any
 
 from jaxsr.loading.files import flag, positive_float, positive_int, small_epsilon
-from jaxsr.models.config import DecoderConfig, RopeScaling
+from jaxsr.models.config import DecoderConfig, LinearRopeScaling, RopeScaling
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED = (*LLAMA_LIKE, "gpt2")
+GEMMA = ("gemma2", "gemma3_text")
+MULTIMODAL_GEMMA = "gemma3"
+"""Gemma3ForConditionalGeneration: its text decoder is read from `text_config` (the vision tower is
+dropped) and saved back as a text-only gemma3_text checkpoint."""
+SUPPORTED = (*LLAMA_LIKE, *GEMMA, MULTIMODAL_GEMMA, "gpt2")
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 _ACTIVATIONS = {
     "silu": "silu",
@@ -38,22 +43,23 @@ def _num_labels(hf: dict[str, Any]) -> int:
     return positive_int(hf, "num_labels", len(labels) if isinstance(labels, dict) and labels else 1)
 
 
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from `rope_theta`+`rope_scaling` (v4) or `rope_parameters` (v5)."""
-    params, scaling = (hf.get(key) or {} for key in ("rope_parameters", "rope_scaling"))
-    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if not isinstance(value, dict):
-            raise ValueError(f"field {key!r}: expected an object, got {value!r}")
-    scaling = scaling or params
-    theta = positive_float(params, "rope_theta", positive_float(hf, "rope_theta", 10000.0))
+def _theta(config: dict[str, Any], key: str, default: float) -> float:
+    theta = positive_float(config, key, default)
     if theta <= 1.0:
-        raise ValueError(f"field 'rope_theta': expected a base > 1, got {theta}")
+        raise ValueError(f"field {key!r}: expected a base > 1, got {theta}")
+    return theta
+
+
+def _rope_scaling(scaling: dict[str, Any]) -> RopeScaling | LinearRopeScaling | None:
+    """The scaling a `rope_scaling` / `rope_parameters` object names (None for default RoPE)."""
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return theta, None
+        return None
+    if kind == "linear":
+        return LinearRopeScaling(factor=positive_float(scaling, "factor"))
     if kind != "llama3":
-        raise ValueError(f"rope type {kind!r} is not supported (supported: default, llama3)")
-    return theta, RopeScaling(
+        raise ValueError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    return RopeScaling(
         factor=positive_float(scaling, "factor"),
         low_freq_factor=positive_float(scaling, "low_freq_factor"),
         high_freq_factor=positive_float(scaling, "high_freq_factor"),
@@ -61,23 +67,133 @@ def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, int]:
-    """(window, first windowed layer) as Hugging Face applies them, or (None, 0) for full attention."""
+def _objects(hf: dict[str, Any], *keys: str) -> list[dict[str, Any]]:
+    """The JSON objects under `keys` ({} where absent or null)."""
+    values = [hf.get(key) or {} for key in keys]
+    for key, value in zip(keys, values, strict=True):
+        if not isinstance(value, dict):
+            raise ValueError(f"field {key!r}: expected an object, got {value!r}")
+    return values
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | LinearRopeScaling | None]:
+    """(theta, scaling) from `rope_theta`+`rope_scaling` (v4) or `rope_parameters` (v5)."""
+    params, scaling = _objects(hf, "rope_parameters", "rope_scaling")
+    theta = _theta(params, "rope_theta", _theta(hf, "rope_theta", 10000.0))
+    return theta, _rope_scaling(scaling or params)
+
+
+def _gemma3_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | LinearRopeScaling | None, float]:
+    """(global theta, global scaling, local theta) of Gemma 3: v5's `rope_parameters` per layer kind,
+    or v4's `rope_theta`, `rope_scaling` (global layers) and `rope_local_base_freq` (local layers)."""
+    (params,) = _objects(hf, "rope_parameters")
+    if FULL in params or SLIDING in params:
+        full, local = _objects(params, FULL, SLIDING)
+        if _rope_scaling(local) is not None:
+            raise ValueError(f"field 'rope_parameters': scaled RoPE in {SLIDING} layers is not supported")
+        return _theta(full, "rope_theta", 1e6), _rope_scaling(full), _theta(local, "rope_theta", 1e4)
+    (scaling,) = _objects(hf, "rope_scaling")
+    return _theta(hf, "rope_theta", 1e6), _rope_scaling(scaling), _theta(hf, "rope_local_base_freq", 1e4)
+
+
+def _layer_types(hf: dict[str, Any], layers: int) -> list[str] | None:
+    """`layer_types` checked: one of "sliding_attention"/"full_attention" per layer (None if absent)."""
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        return None
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {SLIDING, FULL}:
+        raise ValueError(f"field 'layer_types': expected a list of {layers} of {SLIDING!r}, {FULL!r}")
+    return kinds
+
+
+def _windowed_layers(kinds: list[str]) -> tuple[int, ...]:
+    return tuple(i for i, kind in enumerate(kinds) if kind == SLIDING)
+
+
+def _sliding_window(hf: dict[str, Any], model_type: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, windowed layers) as Hugging Face applies them, or (None, None) for full attention."""
     window, layers = hf.get("sliding_window"), positive_int(hf, "num_hidden_layers")
+    if model_type in GEMMA:
+        kinds = _layer_types(hf, layers)
+        if kinds is None:  # transformers' default: every `pattern`-th layer global, the rest local
+            pattern = 2 if model_type == "gemma2" else positive_int(hf, "sliding_window_pattern", 6)
+            kinds = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+        sliding = _windowed_layers(kinds)
+        return (positive_int(hf, "sliding_window", 4096), sliding) if sliding else (None, None)
     if not window or model_type not in ("mistral", "qwen2", "qwen3"):
-        return None, 0
+        return None, None
     if model_type == "mistral":
-        return positive_int(hf, "sliding_window"), 0
-    if hf.get("layer_types") is not None:
-        if not isinstance(hf["layer_types"], list) or len(hf["layer_types"]) != layers:
-            raise ValueError(f"field 'layer_types': expected a list of {layers} attention kinds")
-        sliding = [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
-        return (positive_int(hf, "sliding_window"), sliding[0]) if sliding else (None, 0)
+        return positive_int(hf, "sliding_window"), None
+    kinds = _layer_types(hf, layers)
+    if kinds is not None:
+        sliding = _windowed_layers(kinds)
+        return (positive_int(hf, "sliding_window"), sliding) if sliding else (None, None)
     first = hf.get("max_window_layers", layers)
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise ValueError(f"field 'max_window_layers': expected an integer >= 0, got {first!r}")
     windowed = flag(hf, "use_sliding_window") and first < layers
-    return (positive_int(hf, "sliding_window"), first) if windowed else (None, 0)
+    return (positive_int(hf, "sliding_window"), tuple(range(first, layers))) if windowed else (None, None)
+
+
+def _optional_cap(hf: dict[str, Any], key: str, default: float | None) -> float | None:
+    """A soft-capping value: null means no cap, an absent key transformers' default."""
+    if key in hf and hf[key] is None:
+        return None
+    return positive_float(hf, key, default)
+
+
+def _gemma_text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The text decoder's config of a Gemma3ForConditionalGeneration `config.json`."""
+    (text,) = _objects(hf, "text_config")
+    if text.get("model_type", "gemma3_text") != "gemma3_text":
+        kind = text.get("model_type")
+        raise ValueError(f"field 'text_config': expected a gemma3_text config, got {kind!r}")
+    return text | {"model_type": "gemma3_text", "architectures": hf.get("architectures")}
+
+
+def _gemma_config(hf: dict[str, Any], model_type: str) -> DecoderConfig:
+    """Gemma 2 / Gemma 3 (text): sandwich norms with (1 + w), GeGLU, scaled embeddings, local and
+    global layers; soft-capping (Gemma 2) or q/k norms and a separate local RoPE base (Gemma 3)."""
+    if flag(hf, "use_bidirectional_attention"):
+        raise ValueError("field 'use_bidirectional_attention': bidirectional Gemma is not supported")
+    heads, hidden = positive_int(hf, "num_attention_heads"), positive_int(hf, "hidden_size")
+    gemma2 = model_type == "gemma2"
+    if gemma2:
+        (theta, scaling), local_theta = _rope(hf), None
+    else:
+        theta, scaling, local_theta = _gemma3_rope(hf)
+    window, sliding_layers = _sliding_window(hf, model_type)
+    bias = flag(hf, "attention_bias")
+    activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    return DecoderConfig(
+        vocab_size=positive_int(hf, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=positive_int(hf, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=positive_int(hf, "num_key_value_heads", heads),
+        head_dim=positive_int(hf, "head_dim", hidden // heads),
+        intermediate_size=positive_int(hf, "intermediate_size"),
+        max_position_embeddings=positive_int(hf, "max_position_embeddings", 8192 if gemma2 else 131072),
+        norm_eps=small_epsilon(hf, "rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        local_rope_theta=local_theta,
+        activation=_activation(activation),
+        qkv_bias=bias,
+        out_bias=bias,
+        qk_norm=not gemma2,
+        norm_unit_offset=True,
+        sandwich_norm=True,
+        scale_embeddings=True,
+        query_pre_attn_scalar=positive_int(hf, "query_pre_attn_scalar", 256),
+        attn_logit_softcapping=_optional_cap(hf, "attn_logit_softcapping", 50.0 if gemma2 else None),
+        final_logit_softcapping=_optional_cap(hf, "final_logit_softcapping", 30.0 if gemma2 else None),
+        tie_word_embeddings=flag(hf, "tie_word_embeddings", True),
+        num_labels=_num_labels(hf),
+        model_type=model_type,
+        sliding_window=window,
+        sliding_layers=sliding_layers,
+    )
 
 
 def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
@@ -87,6 +203,10 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
             f"unknown architecture model_type={model_type!r} "
             f"(architectures={hf.get('architectures')}); jaxsr supports {', '.join(SUPPORTED)}"
         )
+    if model_type == MULTIMODAL_GEMMA:
+        return decoder_config_from_hf(_gemma_text_config(hf))
+    if model_type in GEMMA:
+        return _gemma_config(hf, model_type)
     if model_type == "gpt2":
         if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
             raise ValueError("GPT-2 variants with per-layer attention scaling are not supported")
@@ -116,7 +236,7 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         )
     heads, hidden = positive_int(hf, "num_attention_heads"), positive_int(hf, "hidden_size")
     theta, scaling = _rope(hf)
-    window, first_sliding_layer = _sliding_window(hf, model_type)
+    window, sliding_layers = _sliding_window(hf, model_type)
     return DecoderConfig(
         vocab_size=positive_int(hf, "vocab_size"),
         hidden_size=hidden,
@@ -139,11 +259,48 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         num_labels=_num_labels(hf),
         model_type=model_type,
         sliding_window=window,
-        first_sliding_layer=first_sliding_layer,
+        sliding_layers=sliding_layers,
     )
 
 
-_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt2": "GPT2"}
+_CLASS_PREFIX = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma2": "Gemma2",
+    "gemma3_text": "Gemma3",
+    "gpt2": "GPT2",
+}
+
+
+def _rope_scaling_json(scaling: RopeScaling | LinearRopeScaling) -> dict[str, Any]:
+    kind = "linear" if isinstance(scaling, LinearRopeScaling) else "llama3"
+    return {"rope_type": kind, **dataclasses.asdict(scaling)}
+
+
+def _layer_types_json(cfg: DecoderConfig) -> list[str]:
+    return [SLIDING if cfg.is_windowed(i) else FULL for i in range(cfg.num_layers)]
+
+
+def _gemma_json(cfg: DecoderConfig) -> dict[str, Any]:
+    """The Gemma-specific fields of `hf_config_from_decoder` (transformers-4 RoPE spelling, which
+    transformers 5 converts)."""
+    if cfg.qkv_bias != cfg.out_bias:
+        raise ValueError("cfg: a Gemma config.json has one attention_bias for q/k/v and o")
+    hf = {
+        "hidden_activation": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
+        "attention_bias": cfg.qkv_bias,
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar,
+        "attn_logit_softcapping": cfg.attn_logit_softcapping,
+        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": _layer_types_json(cfg),
+        "rope_theta": cfg.rope_theta,
+    }
+    if cfg.model_type == "gemma3_text":
+        hf["rope_local_base_freq"] = cfg.local_rope_theta
+    return hf
 
 
 def hf_config_from_decoder(cfg: DecoderConfig) -> dict[str, Any]:
@@ -179,6 +336,12 @@ def hf_config_from_decoder(cfg: DecoderConfig) -> dict[str, Any]:
         "intermediate_size": cfg.intermediate_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.norm_eps,
+    }
+    if cfg.rope_scaling is not None:
+        hf["rope_scaling"] = _rope_scaling_json(cfg.rope_scaling)
+    if cfg.model_type in GEMMA:
+        return hf | _gemma_json(cfg)
+    hf |= {
         "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
         "mlp_bias": cfg.mlp_bias,
         "rope_theta": cfg.rope_theta,
@@ -190,9 +353,10 @@ def hf_config_from_decoder(cfg: DecoderConfig) -> dict[str, Any]:
     if cfg.model_type == "mistral":
         hf["sliding_window"] = cfg.sliding_window
     elif cfg.model_type in ("qwen2", "qwen3"):
-        windowed = cfg.sliding_window is not None
+        windowed = bool(cfg.sliding_layers)
         hf |= {"use_sliding_window": windowed, "sliding_window": cfg.sliding_window}
-        hf["max_window_layers"] = cfg.first_sliding_layer if windowed else cfg.num_layers
-    if cfg.rope_scaling is not None:
-        hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+        # max_window_layers for transformers 4 (windowed layers are a suffix there); layer_types wins in 5
+        hf["max_window_layers"] = cfg.sliding_layers[0] if windowed else cfg.num_layers
+        if windowed:
+            hf["layer_types"] = _layer_types_json(cfg)
     return hf

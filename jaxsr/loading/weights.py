@@ -23,6 +23,13 @@ Path = tuple[str | int, ...]
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 # Head tensors sit outside the `model.`/`transformer.` prefix in HF checkpoints.
 HEAD_PREFIXES = ("lm_head.", "score.")
+# Gemma3ForConditionalGeneration keeps its text decoder under one of these prefixes (the original
+# layout, which transformers 5 writes, or transformers 4.5x's), beside the vision tensors named here,
+# which a text-only decoder does not load.
+MULTIMODAL_PREFIXES = {
+    "language_model.model.": ("vision_tower.", "multi_modal_projector.", "language_model.lm_head."),
+    "model.language_model.": ("model.vision_tower.", "model.multi_modal_projector."),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +70,10 @@ def llama_rules(cfg: DecoderConfig) -> list[Rule]:
         Rule("embed_tokens.weight", ("embed",), _identity, per_layer=False, shape=(cfg.vocab_size, d)),
         Rule("norm.weight", ("final_norm", "scale"), _identity, per_layer=False, shape=(d,)),
         Rule("layers.{i}.input_layernorm.weight", ("attn_norm", "scale"), _identity, shape=(d,)),
+        # Gemma's post_attention_layernorm norms the attention output; Llama's is the MLP's pre-norm
         Rule(
             "layers.{i}.post_attention_layernorm.weight",
-            ("mlp_norm", "scale"),
+            ("attn_out_norm" if cfg.sandwich_norm else "mlp_norm", "scale"),
             _identity,
             shape=(d,),
         ),
@@ -90,6 +98,16 @@ def llama_rules(cfg: DecoderConfig) -> list[Rule]:
             Rule(m + "gate_proj.bias", ("mlp", "gate_bias"), _identity, shape=(F,)),
             Rule(m + "up_proj.bias", ("mlp", "up_bias"), _identity, shape=(F,)),
             Rule(m + "down_proj.bias", ("mlp", "down_bias"), _identity, shape=(d,)),
+        ]
+    if cfg.sandwich_norm:
+        rules += [
+            Rule("layers.{i}.pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), _identity, shape=(d,)),
+            Rule(
+                "layers.{i}.post_feedforward_layernorm.weight",
+                ("mlp_out_norm", "scale"),
+                _identity,
+                shape=(d,),
+            ),
         ]
     if cfg.qk_norm:
         rules += [
@@ -170,9 +188,11 @@ def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) ->
     """HF-named tensors → {parameter path: array}, checking that every name is accounted for."""
     rules = model_rules(cfg)
     anchor = rules[0].hf_name
-    prefix = next((p for p in ("model.", "transformer.", "") if p + anchor in tensors), None)
+    prefixes = ("model.", "transformer.", *MULTIMODAL_PREFIXES, "")
+    prefix = next((p for p in prefixes if p + anchor in tensors), None)
     if prefix is None:
         raise CheckpointError(f"missing tensor {anchor!r} (the token embedding)")
+    ignored_prefixes = MULTIMODAL_PREFIXES.get(prefix, ())
 
     used: set[str] = set()
 
@@ -198,7 +218,12 @@ def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) ->
             params[rule.path] = fetch(rule.hf_name, rule)
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unexpected = [
-        n for n in tensors if n not in used and n not in ignorable and not n.endswith(IGNORED_SUFFIXES)
+        n
+        for n in tensors
+        if n not in used
+        and n not in ignorable
+        and not n.endswith(IGNORED_SUFFIXES)
+        and not n.startswith(ignored_prefixes)
     ]
     if unexpected:
         raise CheckpointError(f"unexpected tensor {sorted(unexpected)[0]!r} (not part of {cfg.model_type})")

@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxsr.models.layers import MASKED
+from jaxsr.models.layers import MASKED, soft_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +37,10 @@ class Segment:
         return cls(k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask, shared)
 
 
-def attend(q: jax.Array, segments: list[Segment], scale: float) -> jax.Array:
+def attend(q: jax.Array, segments: list[Segment], scale: float, softcap: float | None = None) -> jax.Array:
     """q: [B, T, heads, head_dim] → [B, T, heads, head_dim].
+
+    Scores are q·k·scale, soft-capped to softcap·tanh(s / softcap) when `softcap` is given (Gemma 2).
 
     Queries are laid out per KV head as [B, kv_heads, T·R, head_dim] (R query heads share a KV head), so
     every product is a plain batched matmul over (row, kv head); a degenerate T=1 axis inside the
@@ -60,13 +62,13 @@ def attend(q: jax.Array, segments: list[Segment], scale: float) -> jax.Array:
             else:  # per query [P, G, T, S], laid out as the grouped queries (g, t, r)
                 G = B // P
                 mask = jnp.broadcast_to(seg.mask[:, :, :, None, :], (P, G, T, R, S)).reshape(P, 1, G * M, S)
-            s = jnp.where(mask, s * scale, MASKED)
+            s = jnp.where(mask, soft_cap(s * scale, softcap), MASKED)
             s = _from_prompt_groups(s, B)
         else:
             s = jnp.einsum("bkmd,bkds->bkms", rows, seg.k, preferred_element_type=jnp.float32)
             n = seg.mask.shape[0]
             mask = jnp.broadcast_to(seg.mask[:, None, :, None, :], (n, 1, T, R, S)).reshape(n, 1, M, S)
-            s = jnp.where(mask, s * scale, MASKED)
+            s = jnp.where(mask, soft_cap(s * scale, softcap), MASKED)
         scores.append(s)
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     out = jnp.zeros((B, K, M, D), jnp.float32)

@@ -17,8 +17,17 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (`rope_type: linear`): every inverse frequency divided by `factor`
+    (Gemma 3's global layers)."""
+
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """One decoder covers Llama 2/3, Mistral, Qwen2/2.5, Qwen3 and GPT-2 through these switches."""
+    """One decoder covers Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3 and GPT-2 through these
+    switches."""
 
     vocab_size: int
     hidden_size: int
@@ -32,34 +41,68 @@ class DecoderConfig:
     norm_eps: float = 1e-6
     position: Literal["rope", "learned"] = "rope"
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LinearRopeScaling | None = None
+    local_rope_theta: float | None = None
+    """RoPE base of the windowed layers, which then use no scaling while `rope_theta` and
+    `rope_scaling` apply to the others (Gemma 3's rope_local_base_freq). None: one RoPE for all."""
     mlp: Literal["gated", "plain"] = "gated"
     activation: Literal["silu", "gelu", "gelu_tanh", "relu"] = "silu"
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    norm_unit_offset: bool = False
+    """RMSNorms multiply by (1 + w), computed in float32, with w stored as the checkpoint stores it
+    (Gemma)."""
+    sandwich_norm: bool = False
+    """The attention and MLP outputs are normed again before the residual add (Gemma 2/3)."""
+    scale_embeddings: bool = False
+    """Token embeddings are multiplied by sqrt(hidden_size), rounded to their dtype (Gemma)."""
+    query_pre_attn_scalar: int | None = None
+    """Attention scores are scaled by query_pre_attn_scalar**-0.5 instead of head_dim**-0.5 (Gemma)."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores s become c·tanh(s / c) before masking (Gemma 2)."""
+    final_logit_softcapping: float | None = None
+    """Logits z become c·tanh(z / c) (Gemma 2)."""
     tie_word_embeddings: bool = False
     num_labels: int = 0
     """Outputs of a sequence-classification (reward) head; 0 means a language-model head."""
     model_type: str = "llama"
     sliding_window: int | None = None
-    """The sliding attention window W, applied in layers `first_sliding_layer` onwards (Mistral v0.1;
-    Qwen2/3 with use_sliding_window) as transformers applies it: a query sees the W most recent keys,
-    itself included; keys W or more positions back are masked. None: full causal attention."""
-    first_sliding_layer: int = 0
+    """The sliding attention window W, applied in the layers `sliding_layers` (Mistral v0.1; Qwen2/3
+    with use_sliding_window; Gemma 2/3's local layers) as transformers applies it: a query sees the W
+    most recent keys, itself included; keys W or more positions back are masked. None: full causal
+    attention."""
+    sliding_layers: tuple[int, ...] | None = None
+    """Indices of the windowed layers, ascending; None (the default) means every layer when there is
+    a window. Stored as a tuple, empty without a window."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is None:
+            layers: tuple[int, ...] = ()
+        elif self.sliding_layers is None:
+            layers = tuple(range(self.num_layers))
+        else:
+            layers = tuple(self.sliding_layers)
+        if list(layers) != sorted(set(layers)) or not all(0 <= i < self.num_layers for i in layers):
+            raise ValueError(
+                f"sliding_layers: expected ascending layer indices below {self.num_layers}, got {layers}"
+            )
+        object.__setattr__(self, "sliding_layers", layers)  # frozen: normalised once, here
 
     @property
     def context(self) -> int:
         """The longest sequence (prompt + generated) this model takes: its `max_position_embeddings`
         (a sliding window is applied, it does not shorten the context)."""
         return self.max_position_embeddings
+
+    def is_windowed(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        return layer in self.sliding_layers
 
     @property
     def is_reward_model(self) -> bool:

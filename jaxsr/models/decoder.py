@@ -1,4 +1,5 @@
-"""The decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, GPT-2) as a Flax NNX module.
+"""The decoder-only transformer (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Gemma 2/3, GPT-2) as a Flax NNX
+module.
 
 Each layer owns its weights and its KV cache arrays, and the layer loop is unrolled: a decode step is
 memory-bound, and a `lax.scan` over stacked [layers, ...] weights and caches copies every layer's slice
@@ -10,21 +11,22 @@ out of the stack on every token (measured 2× slower at batch 1 on CPU). Two ent
   shared cache and to its own `RowCache`, into which the new keys/values are written at `rows.length`.
 
 Sliding attention windows (`DecoderConfig.sliding_window`) are applied as transformers applies them:
-in a windowed layer key k is visible to query q iff k <= q and q - k < W (the query sees W keys,
-itself included). The windowed masks are built once per call and shared by every windowed layer;
-other layers, and models without a window, use the plain causal masks.
+in a windowed layer (`DecoderConfig.sliding_layers`) key k is visible to query q iff k <= q and
+q - k < W (the query sees W keys, itself included). The windowed masks are built once per call and
+shared by every windowed layer; other layers, and models without a window, use the plain causal masks.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxsr.models.attention import Segment, attend
 from jaxsr.models.cache import PromptCache, RowCache
 from jaxsr.models.config import DecoderConfig
-from jaxsr.models.layers import ACTIVATIONS, Norm, apply_rope, param, rope_inverse_frequencies
+from jaxsr.models.layers import ACTIVATIONS, Norm, apply_rope, param, rope_inverse_frequencies, soft_cap
 
 
 class Attention(nnx.Module):
@@ -39,7 +41,7 @@ class Attention(nnx.Module):
         self.k_bias = param(rngs, (K, D), dtype) if bias else None
         self.v_bias = param(rngs, (K, D), dtype) if bias else None
         self.o_bias = param(rngs, (d), dtype) if cfg.out_bias else None
-        norm = dict(kind="rms", eps=cfg.norm_eps, dtype=dtype)
+        norm = dict(kind="rms", eps=cfg.norm_eps, dtype=dtype, unit_offset=cfg.norm_unit_offset)
         self.q_norm = Norm((D), **norm) if cfg.qk_norm else None
         self.k_norm = Norm((D), **norm) if cfg.qk_norm else None
 
@@ -85,15 +87,23 @@ class MLP(nnx.Module):
         return out + self.down_bias[...] if self.down_bias is not None else out
 
 
+def _norm(cfg: DecoderConfig, dtype) -> Norm:
+    """A norm over the hidden size, of the config's kind and convention."""
+    offset = cfg.norm_unit_offset
+    return Norm((cfg.hidden_size,), kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype, unit_offset=offset)
+
+
 class Block(nnx.Module):
-    """One pre-norm transformer layer."""
+    """One pre-norm transformer layer; with `sandwich_norm` its attention and MLP outputs are normed
+    as well before they join the residual stream."""
 
     def __init__(self, cfg: DecoderConfig, *, dtype, rngs: nnx.Rngs):
-        norm = dict(kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
-        self.attn_norm = Norm((cfg.hidden_size), **norm)
+        self.attn_norm = _norm(cfg, dtype)
         self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.mlp_norm = Norm((cfg.hidden_size), **norm)
+        self.mlp_norm = _norm(cfg, dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.attn_out_norm = _norm(cfg, dtype) if cfg.sandwich_norm else None
+        self.mlp_out_norm = _norm(cfg, dtype) if cfg.sandwich_norm else None
 
 
 class Decoder(nnx.Module):
@@ -106,7 +116,7 @@ class Decoder(nnx.Module):
             param(rngs, (cfg.max_position_embeddings, cfg.hidden_size), dtype) if learned else None
         )
         self.blocks = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = Norm((cfg.hidden_size,), kind=cfg.norm, eps=cfg.norm_eps, dtype=dtype)
+        self.final_norm = _norm(cfg, dtype)
         has_head = not cfg.tie_word_embeddings and not cfg.is_reward_model
         self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype) if has_head else None
         self.score = param(rngs, (cfg.hidden_size, cfg.num_labels), dtype) if cfg.num_labels else None
@@ -114,33 +124,42 @@ class Decoder(nnx.Module):
     # -- pieces -------------------------------------------------------------------------------
     def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.config.scale_embeddings:  # sqrt(d) rounded to the table's dtype, as transformers does
+            x = x * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(x.dtype)
         if self.pos_embed is not None:
             x = x + jnp.take(self.pos_embed[...], positions, axis=0)
         return x
 
-    def _qkv(self, block: Block, x: jax.Array, positions: jax.Array):
+    def _inverse_frequencies(self, layer: int) -> np.ndarray:
+        """RoPE of `layer`: Gemma 3's windowed layers have their own base and no scaling."""
+        cfg = self.config
+        if cfg.local_rope_theta is not None and cfg.is_windowed(layer):
+            return rope_inverse_frequencies(cfg.head_dim, cfg.local_rope_theta, None)
+        return rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def _qkv(self, layer: int, x: jax.Array, positions: jax.Array):
+        block = self.blocks[layer]
         q, k, v = block.attn.project(block.attn_norm(x))
         if self.config.position == "rope":
-            cfg = self.config
-            inv = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            inv = self._inverse_frequencies(layer)
             q, k = apply_rope(q, positions, inv), apply_rope(k, positions, inv)
         return q, k, v
 
     def _finish_block(self, block: Block, x: jax.Array, attn: jax.Array) -> jax.Array:
-        x = x + block.attn.output(attn)
-        return x + block.mlp(block.mlp_norm(x))
+        out = block.attn.output(attn)
+        x = x + (block.attn_out_norm(out) if block.attn_out_norm is not None else out)
+        out = block.mlp(block.mlp_norm(x))
+        return x + (block.mlp_out_norm(out) if block.mlp_out_norm is not None else out)
 
-    @property
-    def _scale(self) -> float:
-        return self.config.head_dim**-0.5
+    def _attend(self, q: jax.Array, segments: list[Segment]) -> jax.Array:
+        """Attention with the config's score scale and soft-cap."""
+        cfg = self.config
+        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        return attend(q, segments, scale, cfg.attn_logit_softcapping)
 
     @property
     def _any_windowed(self) -> bool:
-        cfg = self.config
-        return cfg.sliding_window is not None and cfg.first_sliding_layer < cfg.num_layers
-
-    def _windowed(self, layer: int) -> bool:
-        return self._any_windowed and layer >= self.config.first_sliding_layer
+        return bool(self.config.sliding_layers)
 
     # -- entry points -------------------------------------------------------------------------
     def prefill(self, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, PromptCache]:
@@ -154,9 +173,9 @@ class Decoder(nnx.Module):
         x = self._embed(tokens, positions)
         keys, values = [], []
         for layer, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x, positions)
-            segment = Segment.from_projections(k, v, local if self._windowed(layer) else visible)
-            x = self._finish_block(block, x, attend(q, [segment], self._scale))
+            q, k, v = self._qkv(layer, x, positions)
+            segment = Segment.from_projections(k, v, local if self.config.is_windowed(layer) else visible)
+            x = self._finish_block(block, x, self._attend(q, [segment]))
             keys.append(segment.k)
             values.append(segment.v)
         cache = PromptCache(k=tuple(keys), v=tuple(values), mask=mask, length=mask.sum(-1).astype(jnp.int32))
@@ -193,25 +212,29 @@ class Decoder(nnx.Module):
         x = self._embed(tokens, positions)
         keys, values = [], []
         for layer, block in enumerate(self.blocks):
-            q, k, v = self._qkv(block, x, positions)
+            q, k, v = self._qkv(layer, x, positions)
             # write first, then attend over the written cache: the read depends on the write, so a
             # donated cache is updated in place (reading first makes XLA copy it to order the two)
             cache_k, cache_v = rows.write_layer(rows.k[layer], rows.v[layer], k, v)
-            seen, own = (prompt_local, row_local) if self._windowed(layer) else (prompt.mask, visible)
+            windowed = self.config.is_windowed(layer)
+            seen, own = (prompt_local, row_local) if windowed else (prompt.mask, visible)
             segments = [
                 Segment(prompt.k[layer], prompt.v[layer], seen, shared=True),
                 Segment(cache_k, cache_v, own, shared=False),
             ]
-            x = self._finish_block(block, x, attend(q, segments, self._scale))
+            x = self._finish_block(block, x, self._attend(q, segments))
             keys.append(cache_k)
             values.append(cache_v)
         return self.final_norm(x), rows.replace(k=tuple(keys), v=tuple(values))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Language-model logits in float32."""
+        """Language-model logits in float32 (soft-capped where the config says so)."""
+        f32 = jnp.float32
         if self.lm_head is None:  # tied: contract with the [V, D] table as stored, no transposed copy
-            return jnp.einsum("...d,vd->...v", hidden, self.embed[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+            logits = jnp.einsum("...d,vd->...v", hidden, self.embed[...], preferred_element_type=f32)
+        else:
+            logits = jnp.einsum("...d,dv->...v", hidden, self.lm_head[...], preferred_element_type=f32)
+        return soft_cap(logits, self.config.final_logit_softcapping)
 
     def scores(self, hidden: jax.Array, mask: jax.Array) -> jax.Array:
         """Reward-head outputs [B, num_labels] (float32) at each row's last non-pad token."""

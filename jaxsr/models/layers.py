@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsr.models.config import RopeScaling
+from jaxsr.models.config import LinearRopeScaling, RopeScaling
 
 MASKED = -1e30  # finite, so a query with no visible key gives uniform weights instead of NaN
 
@@ -20,12 +20,19 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float =
 
 
 class Norm(nnx.Module):
-    """RMSNorm (Llama family) or LayerNorm (GPT-2, BERT), computed in float32."""
+    """RMSNorm (Llama family) or LayerNorm (GPT-2, BERT), computed in float32.
 
-    def __init__(self, shape: tuple[int, ...], *, kind: str, eps: float, dtype: jnp.dtype):
+    `unit_offset`: Gemma's RMSNorm, which multiplies by (1 + scale) in float32 before rounding to the
+    input's dtype (Llama rounds first, then multiplies by scale); `scale` starts at 0.
+    """
+
+    def __init__(
+        self, shape: tuple[int, ...], *, kind: str, eps: float, dtype: jnp.dtype, unit_offset: bool = False
+    ):
         self.kind = kind
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones(shape, dtype))
+        self.unit_offset = unit_offset
+        self.scale = nnx.Param((jnp.zeros if unit_offset else jnp.ones)(shape, dtype))
         self.bias = nnx.Param(jnp.zeros(shape, dtype)) if kind == "layer" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -33,10 +40,17 @@ class Norm(nnx.Module):
         if self.kind == "layer":
             h = h - h.mean(-1, keepdims=True)
         h = h * jax.lax.rsqrt((h * h).mean(-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         h = h.astype(x.dtype) * self.scale[...]
         if self.bias is not None:
             h = h + self.bias[...]
         return h
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap·tanh(x / cap): smoothly bounds x to (-cap, cap) (Gemma 2); x unchanged when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -47,11 +61,15 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """Inverse frequencies of rotate-half RoPE, with Llama 3's scaling when given."""
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | LinearRopeScaling | None
+) -> np.ndarray:
+    """Inverse frequencies of rotate-half RoPE, with Llama 3's or linear scaling when given."""
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv.astype(np.float32)
+    if isinstance(scaling, LinearRopeScaling):
+        return (inv / scaling.factor).astype(np.float32)
     old = scaling.original_max_position_embeddings
     low_wavelen = old / scaling.low_freq_factor
     high_wavelen = old / scaling.high_freq_factor
