@@ -179,7 +179,7 @@ def make_train_step(
         tokens = jnp.maximum(count.sum(), 1.0)
         grads = jax.tree.map(lambda g: g / tokens, grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics = {"loss": nll.sum() / tokens, "tokens": count.sum(), "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": nll.sum() / tokens, "tokens": count.sum(), "grad_norm": optax.tree.norm(grads)}
         return optax.apply_updates(params, updates), opt_state, metrics
 
     return jax.jit(train_step, donate_argnums=(0, 1))
