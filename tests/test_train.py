@@ -187,6 +187,26 @@ def test_the_train_step_compiles_once_per_bucket():
     assert np.isfinite(float(metrics["loss"])) and int(metrics["tokens"]) == (25 - 2) + (10 - 2)
 
 
+@pytest.mark.slow
+def test_accumulated_micro_batches_make_the_update_of_one_batch():
+    """Two micro-batches of 2 examples give the step one batch of 4 gives (the loss is the mean over
+    every response token of the step, whatever the split)."""
+    model = tiny_model()
+    optimizer = make_optimizer(SFTConfig(data="unused.jsonl", steps=10, warmup_steps=0, learning_rate=1e-2))
+    lengths = [(10, 3), (14, 9), (6, 2), (12, 4)]
+    examples = [Example(np.arange(1, 1 + n, dtype=np.int32), p) for n, p in lengths]
+    updated = []
+    for micro_batches in (1, 2):
+        step = make_train_step(model.graph, optimizer, "float32")
+        params = jax.tree.map(jax.numpy.copy, model.params)
+        batch = make_batch(examples, np.arange(4), micro_batches, 64)
+        params, _, metrics = step(params, optimizer.init(params), batch)
+        updated.append((jax.tree.leaves(params), float(metrics["loss"])))
+    (whole, whole_loss), (split, split_loss) = updated
+    assert np.isclose(whole_loss, split_loss, rtol=1e-6)
+    assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(whole, split, strict=True))
+
+
 # -- configs ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "override, key",
