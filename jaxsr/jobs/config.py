@@ -1,4 +1,7 @@
-"""Job configuration: a YAML file plus `key=value` overrides, checked against a fixed schema."""
+"""Job configuration: a YAML file plus `key=value` overrides, checked against a fixed schema.
+
+`load_config`, `check_field_types` and `content_fingerprint` serve any config dataclass (the
+fine-tuning config of `jaxsr.training` too), so every config reads, refuses and identifies alike."""
 
 from __future__ import annotations
 

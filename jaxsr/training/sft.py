@@ -33,6 +33,7 @@ from jaxsr.sharding import logical_to_spec, on_mesh
 from jaxsr.training.checkpoints import Checkpoints
 from jaxsr.training.data import (
     SELECTIONS,
+    Example,
     make_batch,
     read_results,
     select_responses,
@@ -193,6 +194,13 @@ def place_batch(mesh: Mesh | None, batch: dict[str, np.ndarray]) -> Batch:
     return {name: jax.device_put(x, spec(x)) for name, x in batch.items()}
 
 
+def step_batch(examples: list[Example], config: SFTConfig, step: int) -> dict[str, np.ndarray]:
+    """The batch of step `step` (0-based): the next `examples_per_step` of the seed's example stream."""
+    position = step * config.examples_per_step
+    indices = stream_indices(len(examples), config.seed, position, config.examples_per_step)
+    return make_batch(examples, indices, config.grad_accum, config.max_length)
+
+
 # -- the run --------------------------------------------------------------------------------------
 def sft(config: SFTConfig, *, progress: bool = True) -> Path:
     """Fine-tune `config.model` on the selected responses of `config.data`; returns the directory of the
@@ -226,9 +234,7 @@ def sft(config: SFTConfig, *, progress: bool = True) -> Path:
             with on_mesh(model):
                 while step < config.steps:
                     started = time.perf_counter()
-                    position = step * config.examples_per_step
-                    indices = stream_indices(len(examples), config.seed, position, config.examples_per_step)
-                    batch = make_batch(examples, indices, config.grad_accum, config.max_length)
+                    batch = step_batch(examples, config, step)
                     params, opt_state, metrics = train_step(*state, place_batch(mesh, batch))
                     state, step = (params, opt_state), step + 1
                     loss = float(metrics["loss"])
