@@ -1,7 +1,7 @@
 """jaxsr: inference-time alignment decoding in JAX (Best-of-N, Speculative Rejection, speculative and
-contrastive decoding)."""
+contrastive decoding), and fine-tuning on their results (`jaxsr.training`)."""
 
-from jaxsr import sharding
+from jaxsr import sharding, training
 from jaxsr.decoding.api import (
     contrastive_decode,
     contrastive_decoder,
@@ -47,4 +47,5 @@ __all__ = [
     "speculative_decode",
     "speculative_decoder",
     "speculative_rejection",
+    "training",
 ]

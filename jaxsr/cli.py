@@ -1,4 +1,5 @@
-"""The `jaxsr` command: `jaxsr run CONFIG.yaml [key=value ...]`, `jaxsr demo [--prompts K ...]`."""
+"""The `jaxsr` command: `jaxsr run CONFIG.yaml [key=value ...]`, `jaxsr demo [--prompts K ...]`,
+`jaxsr train sft CONFIG.yaml [key=value ...]`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from jaxsr.jobs.demo import run_demo
 from jaxsr.jobs.methods import build_solver
 from jaxsr.jobs.runner import run_job
 from jaxsr.loading.param_cache import cache_root
+from jaxsr.training import load_sft_config, sft
 
 
 def join_processes(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
@@ -76,11 +78,21 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--seed", type=int, default=0)
     demo_parser.add_argument("--output-dir", default="out/demo", metavar="DIR", help="default out/demo")
     demo_parser.add_argument("--no-progress", action="store_true")
+    train_parser = commands.add_parser("train", help="fine-tune a model on a job's results")
+    stages = train_parser.add_subparsers(dest="stage", required=True)
+    sft_parser = stages.add_parser(
+        "sft",
+        help="supervised fine-tuning on the chosen responses of a results JSONL",
+        description="Keys: the fields of jaxsr.training.SFTConfig. Prints the fine-tuned model's directory.",
+    )
+    sft_parser.add_argument("config")
+    sft_parser.add_argument("overrides", nargs="*", metavar="key=value")
+    sft_parser.add_argument("--no-progress", action="store_true")
     args, extra = parser.parse_known_args(argv)
     unknown = [i for i in extra if args.command == "demo" or "=" not in i or i.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command == "run":
+    if args.command in ("run", "train"):
         args.overrides += extra  # key=value items given after an option
     use_compilation_cache()
     try:
@@ -89,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.distributed or any(x is not None for x in joined):
                 join_processes(args.coordinator, args.num_processes, args.process_id)
             print(run(args.config, args.overrides, progress=not args.no_progress))
+        elif args.command == "train":
+            print(sft(load_sft_config(args.config, args.overrides), progress=not args.no_progress))
         else:
             run_demo(
                 args.output_dir, prompts=args.prompts, max_new_tokens=args.max_new_tokens, ns=args.n,

@@ -1,4 +1,7 @@
-"""Job configuration: a YAML file plus `key=value` overrides, checked against a fixed schema."""
+"""Job configuration: a YAML file plus `key=value` overrides, checked against a fixed schema.
+
+`load_config`, `check_field_types` and `content_fingerprint` serve any config dataclass (the
+fine-tuning config of `jaxsr.training` too), so every config reads, refuses and identifies alike."""
 
 from __future__ import annotations
 
@@ -7,12 +10,15 @@ import difflib
 import hashlib
 import json
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from jaxsr.loading.files import MissingFileError
+
+C = TypeVar("C")
 
 METHODS = (
     "generate",
@@ -101,27 +107,15 @@ class JobConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
-        hints = typing.get_type_hints(JobConfig)
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            allowed = typing.get_args(hints[field.name]) or (hints[field.name],)
-            if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-                setattr(self, field.name, float(value))  # 1 and 1.0 are the same job
-                continue
-            if not any(_is_instance(value, t) for t in allowed):
-                names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
-                raise ValueError(f"{field.name}: expected {names}, got {value!r}")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed}")
+        check_field_types(self)
         if not self.output.endswith(".jsonl"):
             raise ValueError(f"output: expected a path ending in .jsonl, got {self.output!r}")
         if self.decoder is not None and self.decoder not in DECODERS:
             raise ValueError(f"decoder: expected one of {DECODERS} or None, got {self.decoder!r}")
-        for name in ("limit", "n", "mesh_model", "concurrent_prompts"):
+        for name in ("limit", "n", "concurrent_prompts"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
-        if self.mesh_data is not None and not (self.mesh_data == -1 or self.mesh_data >= 1):
-            raise ValueError(f"mesh_data: expected -1 (all devices) or an int >= 1, got {self.mesh_data}")
+        check_mesh_keys(self)
         used = self.used_keys()
         for field in dataclasses.fields(self):
             if field.name not in used and getattr(self, field.name) != field.default:
@@ -146,8 +140,39 @@ class JobConfig:
 
     def fingerprint(self) -> str:
         """Identifies the job's content (everything but where it is written and run)."""
-        content = {k: v for k, v in dataclasses.asdict(self).items() if k not in PLACEMENT_KEYS}
-        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+        return content_fingerprint(self, PLACEMENT_KEYS)
+
+
+def content_fingerprint(config: Any, placement_keys: tuple[str, ...]) -> str:
+    """A short hash of a config dataclass's fields, those in `placement_keys` left out."""
+    content = {k: v for k, v in dataclasses.asdict(config).items() if k not in placement_keys}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_field_types(config: Any) -> None:
+    """Refuse (ValueError naming the key) a field of the config dataclass whose value is not of its
+    annotated type; ints given for float fields become floats (1 and 1.0 are the same config). Checks
+    the seed's range too, which every config has."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        allowed = typing.get_args(hints[field.name]) or (hints[field.name],)
+        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+            setattr(config, field.name, float(value))
+            continue
+        if not any(_is_instance(value, t) for t in allowed):
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{field.name}: expected {names}, got {value!r}")
+    if not 0 <= config.seed < 2**32:
+        raise ValueError(f"seed: expected an int in [0, 2**32), got {config.seed}")
+
+
+def check_mesh_keys(config: Any) -> None:
+    """`mesh_data` is -1 (all devices), None or >= 1; `mesh_model` >= 1."""
+    if config.mesh_model < 1:
+        raise ValueError(f"mesh_model: expected an int >= 1, got {config.mesh_model}")
+    if config.mesh_data is not None and not (config.mesh_data == -1 or config.mesh_data >= 1):
+        raise ValueError(f"mesh_data: expected -1 (all devices) or an int >= 1, got {config.mesh_data}")
 
 
 def _is_instance(value: Any, kind: type) -> bool:
@@ -164,7 +189,7 @@ class _PlainLoader(yaml.SafeLoader):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(
-                None, None, "aliases (*name) are not allowed in a job config", event.start_mark
+                None, None, "aliases (*name) are not allowed in a config", event.start_mark
             )
         return super().compose_node(parent, index)
 
@@ -178,6 +203,12 @@ def _parse_value(text: str) -> Any:
 
 def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:
     """Read `path` (YAML mapping) and apply `key=value` overrides; unknown keys get a suggestion."""
+    return load_config(JobConfig, path, overrides)
+
+
+def load_config(kind: type[C], path: str | Path | None, overrides: Sequence[str] = ()) -> C:
+    """The config dataclass `kind` from `path` (a YAML mapping of its fields, None: the defaults) with
+    `key=value` overrides applied; unknown keys get a suggestion."""
     values: dict[str, Any] = {}
     if path is not None:
         if not Path(path).exists():
@@ -205,7 +236,7 @@ def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobCo
             raise ValueError(f"override {item!r}: expected key=value")
         key, _, text = item.partition("=")
         values[key.strip()] = _parse_value(text)
-    known = [f.name for f in dataclasses.fields(JobConfig)]
+    known = [f.name for f in dataclasses.fields(kind)]
     for key in values:
         if not isinstance(key, str):
             raise ValueError(f"config key {key!r}: expected a name (one of {', '.join(known)})")
@@ -213,4 +244,4 @@ def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobCo
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
             raise ValueError(f"config key {key!r} does not exist{hint}")
-    return JobConfig(**values)
+    return kind(**values)

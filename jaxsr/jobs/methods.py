@@ -62,8 +62,9 @@ DECODER_BUILDERS: dict[str, Callable[..., Any]] = {
 }
 
 
-def job_mesh(config: JobConfig) -> Mesh | None:
-    """The job's mesh over this host's devices (each host of a multi-host job runs its own)."""
+def job_mesh(config: Any) -> Mesh | None:
+    """The mesh a config's `mesh_data` / `mesh_model` ask for over this host's devices (each host of a
+    multi-host job runs its own)."""
     if config.mesh_data is None and config.mesh_model == 1:
         return None
     data = 1 if config.mesh_data is None else config.mesh_data

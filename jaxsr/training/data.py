@@ -1,0 +1,139 @@
+"""Fine-tuning examples from a results JSONL (`jaxsr run`'s output), and their batches.
+
+Each record holds a prompt and its scored samples; a selection rule picks the responses to learn from.
+An example is the prompt as the generator saw it (through the chat template when the model has one,
+the same encoding inference uses) followed by the response's tokens and, when the response ended on its
+own, the end-of-sequence token. Only response tokens are targets.
+
+Batches are drawn from an endless stream of epochs, each a permutation fixed by (seed, epoch), so the
+batch of any step is a pure function of the seed and the step's position in the stream: a resumed run
+reads exactly the batches an uninterrupted one does. Each batch is left-padded to a rung of the
+power-of-two length ladder, so the train step compiles once per rung.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxsr.decoding.inputs import encode_prompts
+from jaxsr.ladder import bucket
+from jaxsr.models.model import Model
+from jaxsr.text import encode, left_pad
+
+SELECTIONS = ("best", "top_k", "threshold")
+MIN_LENGTH = 16
+"""The shortest rung of the batch length ladder."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt + response sequence; positions from `prompt_length` on are the response."""
+
+    tokens: np.ndarray
+    prompt_length: int
+
+
+def read_results(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a results JSONL: objects with a `prompt` and a list of `samples`."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"data: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"data: cannot read {path} ({getattr(e, 'strerror', None) or e})") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            raise ValueError(f"data: line {number} of {path} is not JSON") from None
+        if not (isinstance(record, dict) and "prompt" in record and isinstance(record.get("samples"), list)):
+            raise ValueError(f"data: line {number} of {path} is not a results record (prompt, samples)")
+        records.append(record)
+    return records
+
+
+def _score(sample: dict[str, Any]) -> float | None:
+    score = sample.get("score")
+    return float(score) if isinstance(score, int | float) and not isinstance(score, bool) else None
+
+
+def select_responses(
+    records: list[dict[str, Any]], select: str, *, k: int = 1, threshold: float | None = None
+) -> list[tuple[Any, dict[str, Any]]]:
+    """(prompt, sample) pairs to learn from: each record's `best` (or its highest-scored sample), its
+    `k` highest-scored samples, or every sample scored at least `threshold`. Unscored samples are
+    never chosen by score."""
+    if select not in SELECTIONS:
+        raise ValueError(f"select: expected one of {SELECTIONS}, got {select!r}")
+    pairs = []
+    for record in records:
+        scored = sorted(
+            (s for s in record["samples"] if isinstance(s, dict) and _score(s) is not None),
+            key=lambda s: -_score(s),
+        )  # a stable sort: ties keep the record's order
+        if select == "best":
+            best = record.get("best")
+            chosen = [best] if isinstance(best, dict) else scored[:1]
+        elif select == "top_k":
+            chosen = scored[:k]
+        else:
+            chosen = [s for s in scored if _score(s) >= threshold]
+        pairs += [(record["prompt"], sample) for sample in chosen]
+    return pairs
+
+
+def tokenize_examples(
+    model: Model, pairs: list[tuple[Any, dict[str, Any]]], *, chat: bool | None, max_length: int
+) -> list[Example]:
+    """Prompt ids (as inference encodes them) + response text ids + EOS when the response finished,
+    cut to `max_length`; an example left without a response token is dropped."""
+    if model.tokenizer is None:
+        raise ValueError(f"model: {model.name or 'the model'} has no tokenizer to encode the responses")
+    distinct = {json.dumps(p): p for p, _ in pairs}  # each prompt encoded once
+    try:
+        prompts = dict(zip(distinct, encode_prompts(model, list(distinct.values()), chat=chat), strict=True))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"data: {e}") from None
+    eos = list(model.eos_token_ids[:1])
+    examples = []
+    for prompt, sample in pairs:
+        if not isinstance(sample.get("text"), str):
+            raise ValueError(f"data: a sample of prompt {str(prompt)[:40]!r} has no text")
+        prompt_ids = prompts[json.dumps(prompt)]
+        response = encode(model.tokenizer, sample["text"], special_tokens=False)
+        tokens = (prompt_ids + response + (eos if sample.get("finished") else []))[:max_length]
+        if len(tokens) > len(prompt_ids):
+            examples.append(Example(np.asarray(tokens, np.int32), len(prompt_ids)))
+    return examples
+
+
+def stream_indices(count: int, seed: int, start: int, size: int) -> np.ndarray:
+    """Positions [start, start + size) of the endless example stream: epoch e is the permutation of
+    `count` examples drawn from (seed, e)."""
+    epochs = range(start // count, math.ceil((start + size) / count))
+    stream = np.concatenate([np.random.default_rng([seed, e]).permutation(count) for e in epochs])
+    offset = start - epochs[0] * count
+    return stream[offset : offset + size]
+
+
+def make_batch(examples: list[Example], indices: np.ndarray, micro_batches: int, max_length: int) -> dict:
+    """[micro_batches, rows, T] left-padded `tokens`, `mask` and `targets` (1 at response tokens), T the
+    ladder rung of the longest example."""
+    chosen = [examples[i] for i in indices]
+    length = bucket(max(len(e.tokens) for e in chosen), MIN_LENGTH, cap=max_length)
+    rows = len(chosen) // micro_batches
+    tokens, mask = left_pad([e.tokens.tolist() for e in chosen], len(chosen), length)
+    targets = np.zeros_like(mask)
+    for r, e in enumerate(chosen):
+        targets[r, length - len(e.tokens) + e.prompt_length :] = 1
+    shape = (micro_batches, rows, length)
+    return {"tokens": tokens.reshape(shape), "mask": mask.reshape(shape), "targets": targets.reshape(shape)}

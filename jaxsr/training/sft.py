@@ -1,0 +1,279 @@
+"""Supervised fine-tuning on the responses a job chose: config, loss, train step and the resumable loop.
+
+The train state is the float32 (master) parameters and the optimiser state; with `param_dtype:
+bfloat16` the forward and backward passes run on a bfloat16 copy made inside the step, while updates
+and Adam's moments stay in float32. One step is one optimiser update over `grad_accum` micro-batches
+(scanned, gradients summed), the loss the mean negative log-likelihood over every response token of
+the step. Parameters are placed on the mesh the way inference places them, batch rows split over
+`data`. A run checkpoints every `save_every` steps; started again with the same config it resumes from
+the newest complete checkpoint and ends with the parameters an uninterrupted run ends with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from tqdm.auto import tqdm
+
+from jaxsr.jobs.config import check_field_types, check_mesh_keys, content_fingerprint, load_config
+from jaxsr.jobs.methods import job_mesh, resolve_model
+from jaxsr.jobs.runner import holding
+from jaxsr.loading.api import DTYPES, save_model
+from jaxsr.sharding import logical_to_spec, on_mesh
+from jaxsr.training.checkpoints import Checkpoints
+from jaxsr.training.data import (
+    SELECTIONS,
+    Example,
+    make_batch,
+    read_results,
+    select_responses,
+    stream_indices,
+    tokenize_examples,
+)
+
+PLACEMENT_KEYS = ("output_dir", "save_every", "mesh_data", "mesh_model")
+"""Where a run writes, how often it checkpoints and on which devices: a run may resume with others."""
+POSITIVE_INTS = ("k", "max_length", "batch_size", "grad_accum", "steps", "save_every")
+
+Batch = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+TrainStep = Callable[[nnx.State, optax.OptState, Batch], tuple[nnx.State, optax.OptState, Metrics]]
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    """A fine-tuning run. Every key a YAML file or override may set is a field here."""
+
+    model: str = "smollm2"
+    """The model to fine-tune, as a job names it (a checkpoint, a hub id, `smollm2`, `smollm2-draft`)."""
+    data: str | None = None
+    """A results JSONL written by `jaxsr run` (records with `prompt` and scored `samples`)."""
+    output_dir: str = "out/sft"
+    """Checkpoints go to `checkpoints/`, the fine-tuned model (HF safetensors) to `final/`."""
+    select: str = "best"
+    """Responses learnt per prompt: `best`, the `top_k` by score, or every one scored >= `threshold`."""
+    k: int = 1
+    threshold: float | None = None
+    chat: bool | None = None
+    """Prompts through the model's chat template (None: when its tokenizer has one), as inference does."""
+    max_length: int = 512
+    """Prompt + response tokens kept per example (longer ones are cut at the end)."""
+    batch_size: int = 8
+    """Examples per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimiser step."""
+    steps: int = 100
+    learning_rate: float = 1e-5
+    """Peak learning rate, reached after a linear warm-up, then decayed along a cosine."""
+    end_learning_rate: float = 0.0
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    """AdamW's decoupled weight decay, applied to matrices only (not to norms and biases)."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm."""
+    param_dtype: str = "float32"
+    """`bfloat16`: forward/backward and the exported model in bfloat16, master weights in float32."""
+    save_every: int = 50
+    seed: int = 0
+    """Fixes the order of the examples (each epoch a permutation drawn from the seed)."""
+    mesh_data: int | None = None
+    mesh_model: int = 1
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        check_mesh_keys(self)
+        if self.data is None:
+            raise ValueError("data: expected the path of a results JSONL (the output of `jaxsr run`)")
+        if self.select not in SELECTIONS:
+            raise ValueError(f"select: expected one of {SELECTIONS}, got {self.select!r}")
+        if (self.threshold is None) == (self.select == "threshold"):
+            raise ValueError(f"threshold: needed with select=threshold and only then (select={self.select})")
+        if self.k != 1 and self.select != "top_k":
+            raise ValueError(f"k: select={self.select} does not use it (select=top_k does)")
+        for name in POSITIVE_INTS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length: expected an int >= 2 (prompt + response), got {self.max_length}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate: expected a number > 0, got {self.learning_rate}")
+        if not 0 <= self.end_learning_rate <= self.learning_rate:
+            raise ValueError(
+                f"end_learning_rate: expected a number in [0, learning_rate], got {self.end_learning_rate}"
+            )
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps: expected an int in [0, steps), got {self.warmup_steps}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay: expected a number >= 0, got {self.weight_decay}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm: expected a number > 0, got {self.max_grad_norm}")
+        if self.param_dtype not in DTYPES:
+            raise ValueError(f"param_dtype: expected one of {DTYPES}, got {self.param_dtype!r}")
+
+    def fingerprint(self) -> str:
+        """Identifies what the run computes (everything but where it writes and runs)."""
+        return content_fingerprint(self, PLACEMENT_KEYS)
+
+    @property
+    def examples_per_step(self) -> int:
+        return self.batch_size * self.grad_accum
+
+
+def load_sft_config(path: str | Path | None, overrides: list[str] = ()) -> SFTConfig:
+    """Read `path` (YAML mapping of `SFTConfig` keys) and apply `key=value` overrides."""
+    return load_config(SFTConfig, path, overrides)
+
+
+# -- loss and step --------------------------------------------------------------------------------
+def response_nll(logits: jax.Array, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(summed negative log-likelihood, count) of the tokens marked in `targets` ([..., T] 0/1): the
+    logits at position t predict token t + 1, so prompt and padding tokens add nothing."""
+    logprobs = jax.nn.log_softmax(logits[..., :-1, :], axis=-1)
+    picked = jnp.take_along_axis(logprobs, tokens[..., 1:, None], axis=-1)[..., 0]
+    weight = targets[..., 1:].astype(jnp.float32)
+    return -(picked * weight).sum(), weight.sum()
+
+
+def make_optimizer(config: SFTConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW along a linear warm-up + cosine decay, no decay on vectors."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, config.steps, end_value=config.end_learning_rate
+    )
+    matrices = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+    return optax.chain(
+        optax.clip_by_global_norm(config.max_grad_norm),
+        optax.adamw(schedule, weight_decay=config.weight_decay, mask=matrices),
+    )
+
+
+def make_train_step(
+    graph: nnx.GraphDef, optimizer: optax.GradientTransformation, param_dtype: str
+) -> TrainStep:
+    """The jitted `train_step(params, opt_state, batch) -> (params, opt_state, metrics)`, a pure
+    function of its arguments (the first two donated). `batch` holds [micro_batches, rows, T] arrays;
+    `metrics` the step's mean response-token loss, its response tokens and the gradient's norm."""
+    compute_dtype = jnp.dtype(param_dtype)
+
+    def summed_nll(params: nnx.State, micro: Batch) -> tuple[jax.Array, jax.Array]:
+        module = nnx.merge(graph, jax.tree.map(lambda p: p.astype(compute_dtype), params))
+        hidden, _ = module.prefill(micro["tokens"], micro["mask"])
+        return response_nll(module.logits(hidden), micro["tokens"], micro["targets"])
+
+    gradient = jax.value_and_grad(summed_nll, has_aux=True)
+
+    def train_step(params: nnx.State, opt_state: optax.OptState, batch: Batch):
+        def accumulate(grads: nnx.State, micro: Batch):
+            (nll, count), micro_grads = gradient(params, micro)
+            return jax.tree.map(jnp.add, grads, micro_grads), (nll, count)
+
+        grads, (nll, count) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
+        tokens = jnp.maximum(count.sum(), 1.0)
+        grads = jax.tree.map(lambda g: g / tokens, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        metrics = {"loss": nll.sum() / tokens, "tokens": count.sum(), "grad_norm": optax.tree.norm(grads)}
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def place_batch(mesh: Mesh | None, batch: dict[str, np.ndarray]) -> Batch:
+    """The batch on the devices, its rows (axis 1) split over `data` when they divide."""
+    if mesh is None:
+        return {name: jnp.asarray(x) for name, x in batch.items()}
+    spec = lambda x: NamedSharding(mesh, logical_to_spec((None, "batch", None), x.shape, mesh))
+    return {name: jax.device_put(x, spec(x)) for name, x in batch.items()}
+
+
+def step_batch(examples: list[Example], config: SFTConfig, step: int) -> dict[str, np.ndarray]:
+    """The batch of step `step` (0-based): the next `examples_per_step` of the seed's example stream."""
+    position = step * config.examples_per_step
+    indices = stream_indices(len(examples), config.seed, position, config.examples_per_step)
+    return make_batch(examples, indices, config.grad_accum, config.max_length)
+
+
+# -- the run --------------------------------------------------------------------------------------
+def sft(config: SFTConfig, *, progress: bool = True) -> Path:
+    """Fine-tune `config.model` on the selected responses of `config.data`; returns the directory of the
+    fine-tuned model (`output_dir/final`, a Hugging Face checkpoint). Resumes from the newest checkpoint
+    in `output_dir/checkpoints`; a config or data that refuses (ValueError naming the key) does so
+    before any model is loaded or any step taken."""
+    if not isinstance(config, SFTConfig):
+        raise TypeError(f"config: expected an SFTConfig, got {type(config).__name__}")
+    output = Path(config.output_dir)
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"output_dir: {output} exists and is not a directory")
+    pairs = select_responses(read_results(config.data), config.select, k=config.k, threshold=config.threshold)
+    if not pairs:
+        raise ValueError(f"data: {config.data}: no response selected ({_selection(config)})")
+    with holding(output / "sft"):
+        mesh = job_mesh(config)
+        model = resolve_model(config.model, "float32", mesh)
+        examples = tokenize_examples(model, pairs, chat=config.chat, max_length=config.max_length)
+        if not examples:
+            raise ValueError(f"data: {config.data}: no selected response fits max_length={config.max_length}")
+        optimizer = make_optimizer(config)
+        train_step = make_train_step(model.graph, optimizer, config.param_dtype)
+        state = (model.params, jax.jit(optimizer.init)(model.params))
+        checkpoints = Checkpoints(output / "checkpoints")
+        step = checkpoints.latest() or 0
+        if step:
+            _check_resumable(checkpoints.progress(step), config, len(examples), output)
+            state = checkpoints.restore(step, state)
+        bar = tqdm(total=config.steps, initial=step, disable=not progress, unit="step", desc="sft")
+        try:
+            with on_mesh(model):
+                while step < config.steps:
+                    started = time.perf_counter()
+                    batch = step_batch(examples, config, step)
+                    params, opt_state, metrics = train_step(*state, place_batch(mesh, batch))
+                    state, step = (params, opt_state), step + 1
+                    loss = float(metrics["loss"])
+                    seconds = time.perf_counter() - started
+                    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{batch['mask'].sum() / seconds:.0f}")
+                    bar.update(1)
+                    if step % config.save_every == 0 or step == config.steps:
+                        record = _progress(config, step, len(examples), loss)
+                        checkpoints.save(step, state, record)
+        finally:
+            bar.close()
+            checkpoints.close()
+        params = jax.tree.map(lambda p: p.astype(config.param_dtype), state[0])
+        return save_model(dataclasses.replace(model, params=params), output / "final")
+
+
+def _selection(config: SFTConfig) -> str:
+    extra = {"top_k": f" k={config.k}", "threshold": f" threshold={config.threshold}"}.get(config.select, "")
+    return f"select={config.select}{extra}"
+
+
+def _progress(config: SFTConfig, step: int, examples: int, loss: float) -> dict[str, Any]:
+    """What a checkpoint records besides the arrays: enough to check and continue the run."""
+    return {
+        "fingerprint": config.fingerprint(),
+        "step": step,
+        "position": step * config.examples_per_step,
+        "seed": config.seed,
+        "examples": examples,
+        "loss": loss,
+        "config": dataclasses.asdict(config),
+    }
+
+
+def _check_resumable(record: dict[str, Any], config: SFTConfig, examples: int, output: Path) -> None:
+    """Refuse to continue another run's checkpoints (a different config, or data that changed)."""
+    if record.get("fingerprint") != config.fingerprint() or record.get("examples") != examples:
+        raise ValueError(
+            f"output_dir: {output} holds checkpoints of a different run (config {record.get('fingerprint')}"
+            f" with {record.get('examples')} examples; this run is {config.fingerprint()} with {examples});"
+            " choose another output_dir or remove it"
+        )
