@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import string
+from typing import Any
 
 import hf_fixtures as H
 import numpy as np
@@ -229,9 +231,27 @@ QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.ga
 """Projections written as Q8_0 (their rows of 32 inputs are whole Q8_0 blocks)."""
 
 
-def _write_gemma3_gguf(model, path, quantized: tuple[str, ...] = ()) -> None:
+def _gguf_tokens(n: int) -> list[str]:
+    """A SentencePiece vocabulary of `n` tokens with Gemma's special ids (pad 0, eos 1, bos 2, unk 3)."""
+    letters = string.ascii_lowercase + string.ascii_uppercase + string.digits
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", *letters]
+    tokens += ["\u2581" + c for c in string.ascii_lowercase] + list(".,!?;:'\"()-")
+    assert len(tokens) >= n
+    return tokens[:n]
+
+
+def _write_gemma3_gguf(
+    model,
+    path,
+    quantized: tuple[str, ...] = (),
+    *,
+    raw: dict[str, tuple[np.ndarray, object]] | None = None,
+    tokenizer: bool = False,
+) -> None:
     """`model` as llama.cpp's converter writes a Gemma 3 GGUF: its tensor names, norm weights with
-    the +1 added, and the `quantized` projections in Q8_0."""
+    the +1 added, the `quantized` projections in Q8_0 and the tensors of `raw` (HF name → (blocks,
+    GGML type)) as given. `tokenizer` adds a minimal SentencePiece vocabulary as llama.cpp stores
+    Gemma's (transformers' GGUF reader takes the vocabulary size from it)."""
     import gguf
 
     cfg = model.config
@@ -249,9 +269,24 @@ def _write_gemma3_gguf(model, path, quantized: tuple[str, ...] = ()) -> None:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
     writer.add_float32("gemma3.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
-    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    if rope["full_attention"]["rope_type"] == "linear":  # as llama.cpp's converter, only when scaled
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
     writer.add_sliding_window(cfg.sliding_window)
+    if tokenizer:
+        tokens = _gguf_tokens(cfg.vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([-float(i) for i in range(len(tokens))])
+        control, unknown, normal = gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN, gguf.TokenType.NORMAL
+        writer.add_token_types([control] * 3 + [unknown] + [normal] * (len(tokens) - 4))
+        writer.add_pad_token_id(0)
+        writer.add_eos_token_id(1)
+        writer.add_bos_token_id(2)
+        writer.add_unk_token_id(3)
+        writer.add_add_bos_token(True)
+    raw = raw or {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":  # tied
             continue
@@ -260,7 +295,10 @@ def _write_gemma3_gguf(model, path, quantized: tuple[str, ...] = ()) -> None:
         if name.endswith("norm.weight"):
             w = w + 1
         gguf_name = f"{names.get_name(base)}.{suffix}"
-        if quantized and base.endswith(quantized):
+        if name in raw:
+            blocks, kind = raw[name]
+            writer.add_tensor(gguf_name, blocks, raw_dtype=kind)
+        elif quantized and base.endswith(quantized):
             q8 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(gguf_name, gguf.quants.quantize(w, q8), raw_dtype=q8)
         else:
@@ -298,3 +336,153 @@ def test_a_gemma3_gguf_matches_torch_within_its_quantisation(tmp_path, monkeypat
     assert _max_diff_on_real(got, dequantized, mask) < TOL
     error = _max_diff_on_real(got, expected, mask)
     assert 1e-3 < error < 0.05 * np.abs(expected).max(), error
+
+
+def _random_k_blocks(rng: np.random.Generator, shape: tuple[int, int], kind, std: float) -> np.ndarray:
+    """Random valid K-quant blocks (`gguf.quants.quantize` has no K-quants) for a [rows, cols]
+    weight: random quants and sub-block scales, super-block scales (f16) sized so that the
+    dequantised weights have a standard deviation of about `std`."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rows, cols = shape
+    n = rows * cols // block
+    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    if kind == Q.Q6_K:  # ql[128] qh[64] scales[16] (int8) d (f16): w = d · scale · (q - 32)
+        blocks[:, 192:208] = rng.integers(-32, 32, (n, 16)).astype(np.int8).view(np.uint8)
+        blocks[:, 208:210] = np.full((n, 1), std / 340, np.float16).view(np.uint8)
+    elif kind == Q.Q4_K:  # d (f16) dmin (f16) scales[12] (6-bit scales and mins) qs[128]: w = d·s·q - dmin·m
+        d = np.full((n, 1), std / 260, np.float16)
+        blocks[:, 0:2] = d.view(np.uint8)
+        blocks[:, 2:4] = (d * 7.5).astype(np.float16).view(np.uint8)
+    else:
+        raise ValueError(kind)
+    return blocks.reshape(rows, cols // block * size)
+
+
+@torch.no_grad()
+def _quantise_in_place(model, kinds: dict[str, object], seed: int = 0) -> dict[str, tuple[np.ndarray, Any]]:
+    """Write the projections named by `kinds` (suffix → GGML type) as that type: Q8_0 by gguf's
+    quantiser, K-quants as random blocks. The torch weights become the dequantised ones; returns
+    `_write_gemma3_gguf`'s `raw`."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(seed)
+    raw = {}
+    for name, p in model.named_parameters():
+        kind = next((k for suffix, k in kinds.items() if name.endswith(f"{suffix}.weight")), None)
+        if kind is None:
+            continue
+        w = p.numpy()
+        if kind in (Q.Q4_K, Q.Q6_K):
+            blocks = _random_k_blocks(rng, w.shape, kind, 1 / np.sqrt(w.shape[1]))
+        else:
+            blocks = gguf.quants.quantize(w, kind)
+        dequantised = gguf.quants.dequantize(blocks, kind)
+        assert dequantised.shape == w.shape and 0.5 < dequantised.std() * np.sqrt(w.shape[1]) < 2, name
+        p.copy_(torch.as_tensor(dequantised))
+        raw[name] = (blocks, kind)
+    return raw
+
+
+def _gemma3_1b_shaped():
+    """Gemma 3 1B's attention shape (head_dim 256 = query_pre_attn_scalar, one KV head, the local
+    RoPE base 10000, no RoPE scaling): the file then says all transformers' GGUF reader needs. The
+    MLP is 256 wide and o_proj 1024 in, so down_proj and o_proj rows are whole K-quant blocks."""
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+    }
+    return H.make_model(
+        "gemma3",
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        num_key_value_heads=1,
+        intermediate_size=256,
+        rope_parameters=rope,
+    )
+
+
+def _gguf_kinds(name: str) -> dict[str, object]:
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if name == "f32":
+        return {}
+    # as a Q4_K_M file mixes them: 8-bit attention inputs and gate/up, Q4_K o_proj, Q6_K down_proj
+    return {p: Q.Q8_0 for p in QUANTIZED} | {"self_attn.o_proj": Q.Q4_K, "mlp.down_proj": Q.Q6_K}
+
+
+def _transformers_gguf(path, **config):
+    """transformers' own reading of a GGUF file (its GGUF loader, dequantised to float32)."""
+    with torch.no_grad():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, attn_implementation="eager", **config
+        )
+    assert model.dtype == torch.float32
+    return model.eval()
+
+
+@pytest.mark.parametrize("kinds", ["f32", "q8_0+q4_k+q6_k"])
+def test_transformers_reads_a_gemma3_gguf_as_jaxsr_does(tmp_path, monkeypatch, kinds):
+    """The offline stand-in for "a real Gemma 3 GGUF loads and its logits match transformers'
+    reading of the same file": a 1B-shaped file (F32, and one with Q8_0, Q4_K and Q6_K tensors)
+    read by jaxsr and by transformers' GGUF loader, which shares no code with jaxsr's reader but
+    gguf's dequantisation. Both are also checked against torch on the (dequantised) weights."""
+    import gguf
+
+    monkeypatch.setenv("JAXSR_CACHE_DIR", str(tmp_path / "param-cache"))
+    model = _gemma3_1b_shaped()
+    raw = _quantise_in_place(model, _gguf_kinds(kinds))
+    path = tmp_path / "gemma3.gguf"
+    _write_gemma3_gguf(model, path, raw=raw, tokenizer=True)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types == {"F32"} | {k.name for k in _gguf_kinds(kinds).values()}
+
+    tokens, mask = _batch()
+    expected = H.torch_logits(model, tokens, mask)
+    lm = jaxsr.load_model(path, cache=False)
+    theirs = _transformers_gguf(path)
+    reference = H.torch_logits(theirs, tokens, mask)
+    assert _max_diff_on_real(reference, expected, mask) < 1e-6  # transformers read the file as written
+    assert _max_diff_on_real(lm.logits(tokens, mask), reference, mask) < TOL
+    assert lm.tokenizer is not None and lm.tokenizer.pad_token_id == theirs.config.pad_token_id == 0
+    assert lm.tokenizer("ab").input_ids == [2, 5 + 0, 5 + 1]  # <bos> a b
+
+
+# What transformers' GGUF reader (GGUF_CONFIG_MAPPING["gemma3"]) does not read from a Gemma 3 file:
+# gemma3.rope.freq_base_swa and gemma3.rope.scaling.* (it keeps Gemma3TextConfig's local base 10000
+# and no scaling: Gemma 3 4B/12B/27B files have linear ×8 scaling), and llama.cpp's
+# query_pre_attn_scalar rule (it keeps 256, which is not the 27B's 168).
+TRANSFORMERS_GGUF_UNREAD = {"rope_parameters", "query_pre_attn_scalar"}
+
+
+def _same(a, b) -> bool:
+    """Equal, floats up to the float32 rounding of GGUF metadata."""
+    if isinstance(a, float) and isinstance(b, float):
+        return bool(np.isclose(a, b, rtol=1e-6, atol=0))
+    return a == b
+
+
+def test_transformers_gguf_reader_misses_only_known_gemma3_fields(tmp_path, monkeypatch):
+    """A 4B-shaped file (linear global RoPE scaling, local base 20, head_dim 16): transformers'
+    config differs from the one it was written from in the known fields only, and given those its
+    logits are jaxsr's. Without them they are not (the fields matter)."""
+    monkeypatch.setenv("JAXSR_CACHE_DIR", str(tmp_path / "param-cache"))
+    model = H.make_model("gemma3", query_pre_attn_scalar=16)  # llama.cpp's rule: head_dim
+    path = tmp_path / "gemma3.gguf"
+    _write_gemma3_gguf(model, path, tokenizer=True)
+    theirs = _transformers_gguf(path)
+    keys = ("rope_parameters", "query_pre_attn_scalar", "layer_types", "sliding_window", "head_dim")
+    keys += ("hidden_activation", "rms_norm_eps", "attn_logit_softcapping", "final_logit_softcapping")
+    differ = {k for k in keys if not _same(getattr(theirs.config, k), getattr(model.config, k))}
+    assert differ <= TRANSFORMERS_GGUF_UNREAD, differ
+
+    tokens, mask = _batch()
+    got = jaxsr.load_model(path, cache=False).logits(tokens, mask)
+    if differ:
+        assert _max_diff_on_real(got, H.torch_logits(theirs, tokens, mask), mask) > 1e-2
+    told = _transformers_gguf(path, **{k: getattr(model.config, k) for k in TRANSFORMERS_GGUF_UNREAD})
+    assert _max_diff_on_real(got, H.torch_logits(told, tokens, mask), mask) < TOL
