@@ -211,10 +211,6 @@ def load_config(kind: type[C], path: str | Path | None, overrides: Sequence[str]
     `key=value` overrides applied; unknown keys get a suggestion."""
     values: dict[str, Any] = {}
     if path is not None:
-        if not Path(path).exists():
-            raise MissingFileError(f"config: {path} does not exist")
-        if not Path(path).is_file():
-            raise ValueError(f"config: {path} is not a regular file")
         try:
             loaded = yaml.load(Path(path).read_bytes().decode("utf-8"), Loader=_PlainLoader) or {}
         except yaml.YAMLError as e:
@@ -226,6 +222,8 @@ def load_config(kind: type[C], path: str | Path | None, overrides: Sequence[str]
             raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
         except RecursionError:
             raise ValueError(f"{path}: nested too deeply to be a config") from None
+        except FileNotFoundError:
+            raise MissingFileError(f"{path}: the config does not exist") from None
         except OSError as e:
             raise ValueError(f"{path}: cannot read the config ({e.strerror or e})") from e
         if not isinstance(loaded, dict):
