@@ -3,6 +3,7 @@ and left padding of id lists into fixed-shape arrays."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from types import FrameType
 from typing import Any
@@ -65,6 +66,13 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], *, add_generatio
 
 def _name(tokenizer: Any) -> str:
     return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+
+
+@functools.lru_cache(maxsize=16)
+def longest_token(tokenizer: Any) -> int:
+    """Characters in the tokenizer's longest vocabulary entry: no token covers many more characters
+    of text, so a text longer than context × this (with slack for normalisation) cannot fit."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
 
 
 def encode(tokenizer: Any, text: str, *, special_tokens: bool = True) -> list[int]:

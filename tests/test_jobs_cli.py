@@ -152,6 +152,9 @@ def test_malformed_configs_are_refused(tmp_path):
     path.write_text("method: [generate\n")
     with pytest.raises(ValueError, match="not valid YAML"):
         load_job_config(path)
+    path.write_text("limit: 1\nn: 2\nlimit: 2\n")
+    with pytest.raises(ValueError, match=r":3:1: not valid YAML \(the key 'limit' is given twice\)"):
+        load_job_config(path)
     with pytest.raises(ValueError, match="cannot read"):
         load_job_config(tmp_path)
     assert load_job_config(None, ["output=[a.jsonl"]).output == "[a.jsonl"  # not YAML: the text itself
@@ -190,6 +193,29 @@ def test_keys_the_method_does_not_use_are_refused():
 
 
 # -- running jobs from the command line ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["model=/no/such/model"], "model: source: /no/such/model does not exist"),
+        (["max_new_tokens=0"], "max_new_tokens: expected an int >= 1, got 0"),  # not blamed on the data
+        (
+            ["method=speculative_decode", "draft=/no/such/draft"],
+            "draft: source: /no/such/draft does not exist",
+        ),
+        (
+            ["method=best_of_n", "num_samples=1", "n=2", "reward=/no/such/reward"],
+            "reward: source: /no/such/reward does not exist",
+        ),
+    ],
+    ids=["model", "max_new_tokens", "draft", "reward"],
+)
+def test_a_bad_value_is_named_by_its_config_key(job, capsys, overrides, named):
+    path, output = job
+    assert cli("run", str(path), *overrides) == 2
+    assert capsys.readouterr().err.strip() == f"jaxsr: error: {named}"
+    assert not output.exists()
 
 
 @pytest.mark.slow

@@ -82,7 +82,7 @@ def test_ten_million_responses_do_not_fit_sixteen_gib(lm, no_decoding, monkeypat
     about 29 GiB of host memory for its results."""
     monkeypatch.setattr(checks, "host_available_bytes", lambda: 16 * 2**30)
     with pytest.raises(
-        ValueError, match=r"^n: 10000000 responses of up to 64 tokens need at least 29.02 GiB"
+        ValueError, match=r"^n: 10000000 responses of up to 64 tokens need at least 29.17 GiB"
     ):
         jaxsr.best_of_n(lm, SelfLikelihood(), [[1, 2]], n=10**7, max_new_tokens=64)
 
@@ -281,13 +281,26 @@ RETURNED = {
     "generator": lambda n: (x for x in range(n)),
     "huge-int": lambda n: [10**400] * n,
     "masked": lambda n: np.ma.masked_all(n),
+    "nan": lambda n: [float("nan")] * n,
+    "inf": lambda n: [float("inf")] * n,
+    "bools": lambda n: [True] * n,
+    "too-few": lambda n: [1.0] * (n - 1),
+    "2-d": lambda n: [[1.0]] * n,
+    "scalar": lambda n: 1.0,
 }
 
 
-@pytest.mark.parametrize("value", list(RETURNED.values()), ids=list(RETURNED))
-def test_a_reward_that_returns_no_real_numbers_is_named(lm, value):
-    with pytest.raises(ValueError, match=r"^reward: fixed returned"):
-        jaxsr.best_of_n(lm, _Returns(value), [[1, 2]], n=2, max_new_tokens=2)
+def _raise_key_error(n):
+    raise KeyError("x")
+
+
+@pytest.mark.parametrize("search", ["best_of_n", "speculative_rejection"])
+@pytest.mark.parametrize("value", [*RETURNED.values(), _raise_key_error], ids=[*RETURNED, "raises"])
+def test_a_reward_that_returns_no_real_numbers_is_refused_before_decoding(lm, no_decoding, value, search):
+    """A reward of the user's own scores two stand-in responses first: one that could not rank the
+    searched responses is refused before any decoding, naming it."""
+    with pytest.raises(ValueError, match=r"^reward: fixed (returned|raised KeyError).*stand-in"):
+        getattr(jaxsr, search)(lm, _Returns(value), [[1, 2]], n=2, max_new_tokens=2)
 
 
 def test_a_reward_without_a_callable_score_is_refused(lm):
@@ -311,3 +324,18 @@ def test_a_batch_of_rows_the_host_cannot_hold_is_refused_before_decoding(lm, no_
     monkeypatch.setattr(checks, "host_available_bytes", lambda: 4 * 2**20)
     with pytest.raises(ValueError, match=r"^max_rows: the KV caches need"):
         jaxsr.generate(lm, [[1, 2]], num_samples=2048, max_rows=2048, max_new_tokens=1)
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(monkeypatch):
+    """30 MB of text would take gigabytes to tokenize only to be refused for its length."""
+    model = jaxsr.load_model(smollm2_draft_path())
+
+    encode = jaxsr.text.encode
+
+    def short_only(tokenizer, text, **kwargs):
+        assert len(text) < 1000, "the long text was tokenized"
+        return encode(tokenizer, text, **kwargs)
+
+    monkeypatch.setattr(jaxsr.text, "encode", short_only)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: 30000000 characters cannot fit .* context of"):
+        jaxsr.generate(model, ["fine", "x" * 30_000_000], max_new_tokens=2)

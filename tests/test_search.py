@@ -262,14 +262,16 @@ def test_the_first_segment_is_never_shorter_than_asked():
 
 
 class NaNReward:
-    """A reward that cannot rank one response."""
+    """A reward that cannot rank one response of a batch of more than two (so it passes the two
+    stand-in responses it scores before decoding, and fails during the search)."""
 
     name = "nan-reward"
     token_forwards = 0
 
     def score(self, candidates):
         scores = np.arange(len(candidates), dtype=np.float64)
-        scores[0] = np.nan
+        if len(candidates) > 2:
+            scores[0] = np.nan
         return scores
 
 

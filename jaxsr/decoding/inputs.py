@@ -84,6 +84,11 @@ def check_pair(target: Any, second: Any, names: tuple[str, str]) -> None:
         raise ValueError(f"{names[1]}: its tokenizer maps tokens to different ids than the {names[0]}'s")
 
 
+CHARACTER_SLACK = 4
+"""How many times the characters of its longest token one token may cover (normalisation can fold
+several characters of text into one)."""
+
+
 def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> list[list[int]]:
     """Token ids of each prompt. Strings go through the chat template when the tokenizer has one
     (and `chat` is not False); lists of ints are used as they are."""
@@ -103,6 +108,12 @@ def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> l
             if tokenizer is None:
                 raise ValueError(f"prompts[{i}]: text prompts need a model with a tokenizer; pass token ids")
             check_unicode(f"prompts[{i}]", prompt)
+            most = CHARACTER_SLACK * model.config.context * text.longest_token(tokenizer)
+            if len(prompt) > most:  # refused before tokenizing: a huge text can take gigabytes to encode
+                raise ValueError(
+                    f"prompts[{i}]: {len(prompt)} characters cannot fit the model's context of "
+                    f"{model.config.context} tokens"
+                )
             ids = text.encode_user_turn(tokenizer, prompt, chat=use_chat)
             if not ids:
                 raise ValueError(f"prompts[{i}]: encodes to no tokens (check the chat template)")

@@ -183,7 +183,21 @@ def _is_instance(value: Any, kind: type) -> bool:
 
 class _PlainLoader(yaml.SafeLoader):
     """YAML without aliases (`*name`): a config has no use for them, and nested aliases expand
-    exponentially (a few lines can ask for gigabytes)."""
+    exponentially (a few lines can ask for gigabytes). A key given twice is refused (YAML would keep
+    the last value silently)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str | int | float | bool):
+                continue  # an unhashable key: the base class refuses it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -74,18 +75,28 @@ def job_mesh(config: Any) -> Mesh | None:
         raise ValueError(f"mesh_data / mesh_model: {e}") from None
 
 
-def resolve_model(name: str, dtype: str, mesh: Mesh | None = None) -> Model:
+@contextlib.contextmanager
+def _config_key(key: str) -> Iterator[None]:
+    """Loading errors name the config key whose value failed to load (`reward: source: ...`)."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as e:
+        raise ValueError(f"{key}: {e}") from e
+
+
+def resolve_model(name: str, dtype: str, mesh: Mesh | None = None, key: str = "model") -> Model:
     """`smollm2` names the embedded SmolLM2-135M-Instruct and `smollm2-draft` its shipped draft/amateur;
-    anything else goes to `load_model`."""
-    if name == "smollm2":
-        from jaxsr.loading.gguf import smollm2_path
+    anything else goes to `load_model`. Errors name the config `key`."""
+    with _config_key(key):
+        if name == "smollm2":
+            from jaxsr.loading.gguf import smollm2_path
 
-        return load_model(smollm2_path(), dtype=dtype, mesh=mesh)
-    if name == "smollm2-draft":
-        from jaxsr.loading.embedded import smollm2_draft_path
+            return load_model(smollm2_path(), dtype=dtype, mesh=mesh)
+        if name == "smollm2-draft":
+            from jaxsr.loading.embedded import smollm2_draft_path
 
-        return load_model(smollm2_draft_path(), dtype=dtype, mesh=mesh)
-    return load_model(name, dtype=dtype, mesh=mesh)
+            return load_model(smollm2_draft_path(), dtype=dtype, mesh=mesh)
+        return load_model(name, dtype=dtype, mesh=mesh)
 
 
 def resolve_reward(name: str | None, dtype: str, mesh: Mesh | None = None) -> Reward:
@@ -96,11 +107,12 @@ def resolve_reward(name: str | None, dtype: str, mesh: Mesh | None = None) -> Re
         )
     if name in ("self_likelihood", "neg_perplexity"):
         return SelfLikelihood("mean_logprob" if name == "self_likelihood" else "neg_perplexity")
-    if name == "minilm":
-        from jaxsr.loading.encoder import load_encoder, minilm_path
+    with _config_key("reward"):
+        if name == "minilm":
+            from jaxsr.loading.encoder import load_encoder, minilm_path
 
-        return as_reward(load_encoder(minilm_path(), dtype=dtype, mesh=mesh))
-    return as_reward(load_reward_model(name, dtype=dtype, mesh=mesh))
+            return as_reward(load_encoder(minilm_path(), dtype=dtype, mesh=mesh))
+        return as_reward(load_reward_model(name, dtype=dtype, mesh=mesh))
 
 
 def build_solver(config: JobConfig) -> Solver:
@@ -118,7 +130,7 @@ def build_solver(config: JobConfig) -> Solver:
     elif config.method in PAIR_METHODS:
         if config.draft is None:
             raise ValueError(f"draft: {config.method} needs a second model (the draft or amateur)")
-        second = resolve_model(config.draft, config.dtype, mesh)
+        second = resolve_model(config.draft, config.dtype, mesh, key="draft")
         models = (model, second)
         kind = PAIR_METHODS[config.method]
         decode, extra = PAIR_DECODE[kind], {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
@@ -132,7 +144,7 @@ def build_solver(config: JobConfig) -> Solver:
                 raise ValueError(f"draft: decoder={config.decoder} needs a second model (draft/amateur)")
             extra = {name: getattr(config, name) for name in DECODER_OPTIONS[config.decoder]}
             model = DECODER_BUILDERS[config.decoder](
-                model, resolve_model(config.draft, config.dtype, mesh), **extra
+                model, resolve_model(config.draft, config.dtype, mesh, key="draft"), **extra
             )
             models = model.models
         if config.method == "best_of_n":
@@ -161,8 +173,10 @@ def build_solver(config: JobConfig) -> Solver:
             prepare(models, prompts, stop_token_ids=(), prompt_offset=0, **common)
             if reward is not None:
                 check_reward(reward, models[0], prompts)
-        except (ValueError, TypeError) as e:  # prompts[i] is the i-th prompt of the data
-            raise ValueError(f"data: {config.data}: {e}") from None
+        except (ValueError, TypeError) as e:
+            if "prompts[" not in str(e):  # a config value (max_new_tokens=0): its own name says it
+                raise
+            raise ValueError(f"data: {config.data}: {e}") from None  # the i-th prompt of the data
 
     if config.method == "speculative_rejection":  # a call keeps `concurrent_prompts` searches in flight
         per_call = SEARCH_CALL_ROUNDS * config.concurrent_prompts

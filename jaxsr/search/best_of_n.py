@@ -46,7 +46,7 @@ def best_of_n(
         sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
-    check_reward(reward, sampler.target, prompts)
+    check_reward(reward, sampler.target, prompts, request.encoded)
     lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens
     check_responses_fit("n", len(encoded) * n, max_new_tokens)
     max_rows = DEFAULT_MAX_ROWS

@@ -20,9 +20,13 @@ def prompt_text(model: Model, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else text.decode(model.tokenizer, prompt)
 
 
-def check_reward(reward: Reward, model: Model, prompts: Sequence[str | list[int]]) -> None:
+def check_reward(
+    reward: Reward, model: Model, prompts: Sequence[str | list[int]], encoded: Sequence[list[int]] = ()
+) -> None:
     """Let the reward refuse, before any decoding, the prompts it could not score (a reward model
-    whose template cannot render them): its optional `check(prompt_text)`."""
+    whose template cannot render them): its optional `check(prompt_text)`. A reward that is not one of
+    jaxsr's own also scores two stand-in responses to the first prompt (`encoded`: the prompts' ids),
+    so one that fails, or returns what no search can rank, is refused before hours of decoding."""
     check = getattr(reward, "check", None)
     if callable(check):
         for i, prompt in enumerate(prompts):
@@ -30,6 +34,14 @@ def check_reward(reward: Reward, model: Model, prompts: Sequence[str | list[int]
                 check(prompt_text(model, prompt))
             except ValueError as e:
                 raise ValueError(f"{e} (prompts[{i}])") from None
+    if encoded and not type(reward).__module__.startswith("jaxsr."):
+        ids = encoded[0]
+        stand_ins = [ids[-1:], ids[-2:]]
+        lengths = np.array([len(r) for r in stand_ins])
+        try:
+            score_rows(model, reward, prompts[0], ids, stand_ins, np.zeros(len(stand_ins)), lengths)
+        except ValueError as e:
+            raise ValueError(f"{e} (tried before decoding on two stand-in responses to prompts[0])") from None
 
 
 def token_scorer(
@@ -73,7 +85,10 @@ def score_rows(
         logprob_sum=np.asarray(logprob_sum, np.float64),
         num_tokens=np.asarray(num_tokens),
     )
-    scores = reward.score(candidates) if token_lists else np.zeros(0)
+    try:
+        scores = reward.score(candidates) if token_lists else np.zeros(0)
+    except Exception as e:  # whatever a user's reward raises: the search names the reward
+        raise ValueError(f"reward: {reward.name} raised {type(e).__name__}: {e}") from e
     return check_scores(reward, scores, len(token_lists)), texts
 
 
@@ -86,7 +101,7 @@ def check_scores(reward: Reward, scores: Any, count: int) -> np.ndarray:
         array = np.asarray(scores)
     except (ValueError, TypeError) as e:  # ragged nesting and the like
         raise ValueError(f"reward: {reward.name} returned scores numpy cannot read ({e})") from None
-    if array.dtype.kind not in "biuf":
+    if array.dtype.kind not in "iuf":  # not bool: a ranking needs scores, not pass/fail
         raise ValueError(
             f"reward: {reward.name} returned {type(scores).__name__} of {array.dtype}, expected real numbers"
         )

@@ -281,7 +281,8 @@ def speculative_rejection(
         sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
         stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
     )  # fmt: skip
-    check_reward(reward, sampler.target, prompts)
+    check_reward(reward, sampler.target, prompts, request.encoded)
+    concurrent_prompts = min(concurrent_prompts, len(request.encoded))  # no more in flight than there are
     # every prompt's plan before any decoding: a prompt that cannot fit its budget is refused up front
     plans = [
         memory_plan(sampler, config, request, len(ids), n, memory_budget, concurrent_prompts)
