@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import shutil
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -195,29 +198,129 @@ def load_reward_model(
     return model
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+"""Files a transformers tokenizer is read from (a stale one beside a saved checkpoint would be loaded)."""
+
+
+def _make_parents(directory: Path) -> list[Path]:
+    """Create the missing ancestors of `directory` (outermost first), returning those it created."""
+    missing = [p for p in reversed(directory.parents) if not p.exists()]
+    created: list[Path] = []
+    for parent in missing:
+        try:
+            parent.mkdir()
+        except OSError as e:
+            _remove_dirs(created)
+            raise ValueError(f"directory: {directory} cannot be created ({parent}: {e.strerror})") from None
+        created.append(parent)
+    return created
+
+
+def _remove_dirs(created: list[Path]) -> None:
+    for parent in reversed(created):
+        with contextlib.suppress(OSError):
+            parent.rmdir()
+
+
+def _check_targets(directory: Path, written: list[str]) -> None:
+    """Refuse a target whose entries would not be replaced by the new files, or whose leftovers from an
+    earlier checkpoint `load_model` would read in place of (or beside) what is saved now."""
+    for name in written:
+        target = directory / name
+        if target.is_dir() and not target.is_symlink():
+            raise ValueError(f"directory: {target} is a directory; save_model would replace it with a file")
+    # Without a tokenizer of its own, the saved model would load with any tokenizer found beside it.
+    no_tokenizer = not set(written) & set(TOKENIZER_FILES)
+    stale = [
+        p.name
+        for p in directory.iterdir()
+        if p.name not in written
+        and (
+            p.suffix == ".safetensors"
+            or p.name in ("model.safetensors.index.json", "generation_config.json")
+            or (no_tokenizer and p.name in TOKENIZER_FILES)
+        )
+    ]
+    if stale:
+        raise ValueError(
+            f"directory: {directory} holds {sorted(stale)} of another checkpoint, which load_model would "
+            "read with the saved one; remove them or save into another directory"
+        )
+
+
 def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None = None) -> Path:
     """Write `model` as a Hugging Face checkpoint directory (config.json, model.safetensors in the
     parameters' dtype, generation_config.json, tokenizer files) that `load_model` and transformers read.
 
     `pad_token_id` (default: the tokenizer's) goes into config.json; transformers' reward models need it.
+
+    The files are written into a temporary sibling directory first and then moved into place, so a
+    failure leaves `directory` as it was. Other files already in `directory` are kept; files of an
+    earlier checkpoint that this one would not replace (shards, an index, a tokenizer) are refused.
     """
     if not isinstance(model, Model):
         raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    if not isinstance(directory, str | os.PathLike):
+        raise TypeError(f"directory: expected a path, got {type(directory).__name__}")
+    if pad_token_id is not None:
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int | np.integer):
+            raise TypeError(f"pad_token_id: expected an int or None, got {type(pad_token_id).__name__}")
+        if not 0 <= pad_token_id < model.config.vocab_size:
+            raise ValueError(
+                f"pad_token_id: expected an id in [0, {model.config.vocab_size}), got {pad_token_id}"
+            )
+    directory = Path(directory).expanduser()
+    if directory.name in ("", ".."):  # ".", "a/..": stage beside the directory it names, not inside it
+        directory = directory.resolve()
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"directory: {directory} exists and is not a directory")
     params = {
         path: np.asarray(jax.device_get(leaf.get_value())) for path, leaf in nnx.to_flat_state(model.params)
     }
-    write_safetensors(directory / "model.safetensors", export_hf_tensors(model.config, params))
+    tensors = export_hf_tensors(model.config, params)
     hf_config = hf_config_from_decoder(model.config)
     eos = list(model.eos_token_ids)
     if eos:
         hf_config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-        (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
-    if model.tokenizer is not None:
-        model.tokenizer.save_pretrained(str(directory))
-        pad_token_id = model.tokenizer.pad_token_id if pad_token_id is None else pad_token_id
+    if model.tokenizer is not None and pad_token_id is None:
+        pad_token_id = model.tokenizer.pad_token_id
     if pad_token_id is not None:
         hf_config["pad_token_id"] = int(pad_token_id)
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+    created = _make_parents(directory)
+    staging = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        staging.mkdir()
+    except OSError as e:
+        _remove_dirs(created)
+        raise ValueError(f"directory: {directory} cannot be created ({e.strerror})") from None
+    try:
+        write_safetensors(staging / "model.safetensors", tensors)
+        if eos:
+            (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(str(staging))
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
+        written = sorted(p.name for p in staging.iterdir())
+        if not directory.exists():
+            staging.rename(directory)
+            return directory
+        _check_targets(directory, written)
+        for name in written:
+            os.replace(staging / name, directory / name)
+        staging.rmdir()
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_dirs(created)
+        raise
     return directory

@@ -25,7 +25,7 @@ from jaxsr.checks import check_positive_int, check_unicode
 from jaxsr.ladder import bucket
 from jaxsr.models.attention import Segment, attend
 from jaxsr.models.layers import ACTIVATIONS, Norm, param
-from jaxsr.models.model import as_token_batch
+from jaxsr.models.model import as_token_batch, id_array
 from jaxsr.sharding import place_rows
 
 
@@ -202,20 +202,23 @@ class EncoderModel:
 
     def hidden(self, token_ids: Any, attention_mask: Any = None, token_type_ids: Any = None) -> jax.Array:
         """Last hidden states [B, T, d] of a right-padded [B, T] batch (pad positions are not meaningful)."""
-        tokens, mask = as_token_batch(token_ids, attention_mask)
         cfg = self.config
-        if int(tokens.max()) >= cfg.vocab_size or int(tokens.min()) < 0:
-            raise ValueError(f"token_ids: ids must lie in [0, {cfg.vocab_size})")
+        tokens, mask = as_token_batch(token_ids, attention_mask, vocab_size=cfg.vocab_size)
         if tokens.shape[1] > cfg.max_position_embeddings:
             raise ValueError(
                 f"token_ids: length {tokens.shape[1]} exceeds the encoder's "
                 f"{cfg.max_position_embeddings} positions"
             )
-        types = jnp.zeros_like(tokens) if token_type_ids is None else jnp.asarray(token_type_ids, jnp.int32)
-        if types.shape != tokens.shape:
-            raise ValueError(f"token_type_ids: expected shape {tokens.shape}, got {types.shape}")
-        if int(types.max()) >= cfg.type_vocab_size or int(types.min()) < 0:
-            raise ValueError(f"token_type_ids: ids must lie in [0, {cfg.type_vocab_size})")
+        if token_type_ids is None:
+            types = jnp.zeros_like(tokens)
+        else:
+            types = id_array("token_type_ids", token_type_ids, cfg.type_vocab_size)
+            if types.shape != tokens.shape:
+                raise ValueError(
+                    f"token_type_ids: expected shape {tuple(tokens.shape)} (that of token_ids), "
+                    f"got {types.shape}"
+                )
+            types = jnp.asarray(types)
         return _hidden(self.graph, self.params, *place_rows(self.mesh, tokens, mask, types))
 
     def tokenize(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

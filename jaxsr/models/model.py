@@ -35,17 +35,69 @@ def _scores(graph: nnx.GraphDef, params: nnx.State, tokens: jax.Array, mask: jax
     return module.scores(hidden, mask)[:, 0]
 
 
-def as_token_batch(token_ids: Any, attention_mask: Any = None) -> tuple[jax.Array, jax.Array]:
-    """Validate a [B, T] integer batch and its 0/1 mask (all ones by default)."""
-    tokens = np.asarray(token_ids)
-    if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
+def _rectangular(name: str, value: Any, what: str) -> np.ndarray:
+    """`value` as a numpy array, or a ValueError naming `name` when its rows differ in length."""
+    try:
+        return np.asarray(value)
+    except ValueError:  # numpy: "setting an array element with a sequence" (ragged rows)
+        raise ValueError(f"{name}: expected a rectangular [batch, length] array of {what}") from None
+
+
+def _python_ints(value: Any, array: np.ndarray) -> np.ndarray | None:
+    """A list of Python ints that numpy read as floats or objects (ids past int64, or a mix of negative
+    ids and ids past int64) as an object array of its ints; None when an entry is not an int."""
+    if isinstance(value, np.ndarray | np.generic | jax.Array) or array.dtype.kind not in "fO":
+        return None
+    objects = np.asarray(value, dtype=object)
+    if objects.shape != array.shape:
+        return None
+    flat = objects.ravel().tolist()
+    if all(isinstance(i, int | np.integer) and not isinstance(i, bool | np.bool_) for i in flat):
+        return objects
+    return None
+
+
+def id_array(name: str, value: Any, limit: int | None = None) -> np.ndarray:
+    """A non-empty [B, T] batch of integer ids as int32, each in [0, `limit`) (default: 2**31) — checked
+    on the values as given, before any cast, so an id past int32 is refused rather than wrapped."""
+    limit = 2**31 if limit is None else min(limit, 2**31)
+    array = _rectangular(name, value, "ids")
+    ints = array if array.dtype.kind in "iu" else _python_ints(value, array)
+    if array.ndim != 2 or array.shape[1] == 0 or ints is None:
         raise TypeError(
-            "token_ids: expected a non-empty [batch, length] integer array, "
-            f"got {tokens.shape} {tokens.dtype}"
+            f"{name}: expected a non-empty [batch, length] integer array, got {array.shape} {array.dtype}"
         )
-    mask = np.ones_like(tokens) if attention_mask is None else np.asarray(attention_mask)
-    if mask.shape != tokens.shape:
-        raise ValueError(f"attention_mask: expected shape {tokens.shape}, got {mask.shape}")
+    if ints.size:
+        low, high = ints.min(), ints.max()
+        if low < 0 or high >= limit:
+            raise ValueError(f"{name}: ids must lie in [0, {limit}), got {low if low < 0 else high}")
+    return np.asarray(ints, np.int32)
+
+
+def mask_array(name: str, value: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """A 0/1 (or boolean) array of `shape` as int32."""
+    mask = _rectangular(name, value, "0/1 values")
+    if mask.dtype.kind not in "biuf":
+        raise TypeError(f"{name}: expected a [batch, length] array of 0/1 values, got {mask.dtype}")
+    if mask.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape} (that of token_ids), got {mask.shape}")
+    if not ((mask == 0) | (mask == 1)).all():
+        bad = mask[(mask != 0) & (mask != 1)].ravel()[0]
+        raise ValueError(f"{name}: expected only 0 (padding) and 1 (token), got {bad}")
+    return mask.astype(np.int32)
+
+
+def as_token_batch(
+    token_ids: Any, attention_mask: Any = None, *, vocab_size: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Validate a [B, T] integer batch (ids in [0, `vocab_size`) when given) and its 0/1 mask (all ones
+    by default)."""
+    tokens = id_array("token_ids", token_ids, vocab_size)
+    mask = (
+        np.ones_like(tokens)
+        if attention_mask is None
+        else mask_array("attention_mask", attention_mask, tokens.shape)
+    )
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(mask, jnp.int32)
 
 
@@ -90,6 +142,12 @@ class Model:
         """Bytes of K and V that one token position takes in this model's cache."""
         return self.config.kv_bytes_per_token(jnp.dtype(self.dtype).itemsize)
 
+    def token_batch(self, token_ids: Any, attention_mask: Any = None) -> tuple[jax.Array, jax.Array]:
+        """`as_token_batch` with this model's vocabulary, and a length the context holds."""
+        tokens, mask = as_token_batch(token_ids, attention_mask, vocab_size=self.config.vocab_size)
+        self.check_tokens(tokens)
+        return tokens, mask
+
     def check_tokens(self, tokens: jax.Array) -> None:
         if int(tokens.max(initial=0)) >= self.config.vocab_size or int(tokens.min(initial=0)) < 0:
             raise ValueError(f"token_ids: ids must lie in [0, {self.config.vocab_size})")
@@ -102,8 +160,7 @@ class Model:
         """[B, T, vocab] float32 logits; left-padded rows allowed (positions count real tokens)."""
         if self.config.is_reward_model:
             raise TypeError("logits: a reward model has no language-model head; use scores()")
-        tokens, mask = as_token_batch(token_ids, attention_mask)
-        self.check_tokens(tokens)
+        tokens, mask = self.token_batch(token_ids, attention_mask)
         return _logits(self.graph, self.params, *place_rows(self.mesh, tokens, mask))
 
 
@@ -113,6 +170,5 @@ class RewardModel(Model):
 
     def scores(self, token_ids: Any, attention_mask: Any = None) -> jax.Array:
         """[B] float32 reward read at each row's last non-pad token."""
-        tokens, mask = as_token_batch(token_ids, attention_mask)
-        self.check_tokens(tokens)
+        tokens, mask = self.token_batch(token_ids, attention_mask)
         return _scores(self.graph, self.params, *place_rows(self.mesh, tokens, mask))
