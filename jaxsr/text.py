@@ -80,12 +80,18 @@ def encode(tokenizer: Any, text: str, *, special_tokens: bool = True) -> list[in
     return list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
 
 
-def encode_user_turn(tokenizer: Any, prompt: str, *, chat: bool) -> list[int]:
+def encode_user_turn(tokenizer: Any, prompt: str, *, chat: bool, max_chars: int | None = None) -> list[int]:
     """A user prompt as the generator sees it: in the chat template ready for the assistant's answer,
-    or as plain text."""
+    or as plain text. A rendering longer than `max_chars` is refused before it is tokenized (a template
+    can turn a short prompt into gigabytes of text)."""
     if not chat:
         return encode(tokenizer, prompt)
     text = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    if max_chars is not None and len(text) > max_chars:
+        raise ValueError(
+            f"chat template of {_name(tokenizer)}: renders the prompt as {len(text)} characters, more than "
+            f"the model's context can hold ({max_chars})"
+        )
     return encode(tokenizer, text, special_tokens=False)
 
 

@@ -330,3 +330,19 @@ def test_an_impossible_tensor_shape_names_the_file_and_tensor(tmp_path, shape):
     file.write_bytes(len(header).to_bytes(8, "little") + header)
     with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'w' has an impossible shape"):
         read_safetensors(file)
+
+
+def test_a_template_that_renders_gigabytes_is_refused_before_tokenizing(monkeypatch):
+    """A one-line template can turn "hi" into more text than any context holds: refused by its length
+    before the tokenizer (whose allocation failure would abort the process) sees it."""
+    model = jaxsr.load_model(smollm2_draft_path())
+    model.tokenizer.chat_template = "{{ 'x' * 10**7 }}"
+    encode = text.encode
+
+    def short_only(tokenizer, rendered, **kwargs):
+        assert len(rendered) < 10**6, "the rendering was tokenized"
+        return encode(tokenizer, rendered, **kwargs)
+
+    monkeypatch.setattr(text, "encode", short_only)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: chat template of .* renders the prompt as 10{7}"):
+        jaxsr.generate(model, ["hi"], max_new_tokens=2)

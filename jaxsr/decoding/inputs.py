@@ -114,7 +114,10 @@ def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> l
                     f"prompts[{i}]: {len(prompt)} characters cannot fit the model's context of "
                     f"{model.config.context} tokens"
                 )
-            ids = text.encode_user_turn(tokenizer, prompt, chat=use_chat)
+            try:
+                ids = text.encode_user_turn(tokenizer, prompt, chat=use_chat, max_chars=most)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
             if not ids:
                 raise ValueError(f"prompts[{i}]: encodes to no tokens (check the chat template)")
             if max(ids) >= model.config.vocab_size:
