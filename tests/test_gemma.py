@@ -4,8 +4,8 @@ Where the rest is tested: test_parity compares every Gemma family's logits (gemm
 multimodal gemma3_multimodal) and gemma2_rm's rewards with torch; test_sliding_window runs gemma2 and
 gemma3 (W = 16) through prefill past the window, cached decoding one token at a time and multi-token
 decode calls across it, and greedy and speculative generation. Here: how config.json is read, that
-every Gemma switch is needed for parity (each guard breaks it), the multimodal checkpoint, and
-save_model round trips through transformers.
+every Gemma switch is needed for parity (each guard breaks it), the multimodal checkpoint,
+save_model round trips through transformers, and Gemma 2 and Gemma 3 GGUF files as llama.cpp writes them.
 """
 
 from __future__ import annotations
@@ -240,7 +240,11 @@ def _gguf_tokens(n: int) -> list[str]:
     return tokens[:n]
 
 
-def _write_gemma3_gguf(
+GGUF_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
+"""Hugging Face model_type → GGUF architecture."""
+
+
+def _write_gemma_gguf(
     model,
     path,
     quantized: tuple[str, ...] = (),
@@ -248,16 +252,17 @@ def _write_gemma3_gguf(
     raw: dict[str, tuple[np.ndarray, object]] | None = None,
     tokenizer: bool = False,
 ) -> None:
-    """`model` as llama.cpp's converter writes a Gemma 3 GGUF: its tensor names, norm weights with
-    the +1 added, the `quantized` projections in Q8_0 and the tensors of `raw` (HF name → (blocks,
-    GGML type)) as given. `tokenizer` adds a minimal SentencePiece vocabulary as llama.cpp stores
-    Gemma's (transformers' GGUF reader takes the vocabulary size from it)."""
+    """`model` (Gemma 2 or Gemma 3) as llama.cpp's converter writes it: the metadata its Gemma2Model /
+    Gemma3Model write, its tensor names, norm weights with the +1 added, the `quantized` projections in
+    Q8_0 and the tensors of `raw` (HF name → (blocks, GGML type)) as given. `tokenizer` adds a minimal
+    SentencePiece vocabulary as llama.cpp stores Gemma's (transformers' GGUF reader takes the vocabulary
+    size from it)."""
     import gguf
 
     cfg = model.config
-    rope = cfg.rope_parameters
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, cfg.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), "gemma3")
+    arch = GGUF_ARCH[cfg.model_type]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -267,11 +272,17 @@ def _write_gemma3_gguf(
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
-    writer.add_float32("gemma3.rope.freq_base_swa", rope["sliding_attention"]["rope_theta"])
-    if rope["full_attention"]["rope_type"] == "linear":  # as llama.cpp's converter, only when scaled
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    rope = cfg.rope_parameters
+    if arch == "gemma2":  # both soft-caps; no RoPE base (llama.cpp's default 10000 is Gemma 2's)
+        assert rope == {"rope_type": "default", "rope_theta": 10000.0}, rope
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        if rope["full_attention"]["rope_type"] == "linear":  # as llama.cpp's converter, only when scaled
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
     writer.add_sliding_window(cfg.sliding_window)
     if tokenizer:
         tokens = _gguf_tokens(cfg.vocab_size)
@@ -310,22 +321,29 @@ def _write_gemma3_gguf(
 
 
 @torch.no_grad()
-def test_a_gemma3_gguf_matches_torch_within_its_quantisation(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_matches_torch_within_its_quantisation(tmp_path, monkeypatch, family):
     """F32: within 1e-4 of torch. Q8_0: within 1e-4 of torch run on the dequantised weights, and
-    off the exact logits by quantisation error only."""
+    off the exact logits by quantisation error only. Gemma 2's soft-caps (5 and 8, not llama.cpp's
+    defaults 50 and 30) and window come from the file's metadata."""
     import gguf
 
     monkeypatch.setenv("JAXSR_CACHE_DIR", str(tmp_path / "param-cache"))
     # llama.cpp takes query_pre_attn_scalar to be head_dim (for all but the 27B)
-    model = H.make_model("gemma3", query_pre_attn_scalar=16)
+    model = H.make_model(family, query_pre_attn_scalar=16)
     tokens, mask = _batch()
     expected = H.torch_logits(model, tokens, mask)
-    _write_gemma3_gguf(model, tmp_path / "f32.gguf")
+    _write_gemma_gguf(model, tmp_path / "f32.gguf")
     lm = jaxsr.load_model(tmp_path / "f32.gguf", cache=False)
-    assert lm.config.sliding_layers == (0, 1, 2, 3, 4) and lm.config.local_rope_theta == 20.0
+    cfg = lm.config
+    if family == "gemma2":
+        assert (cfg.sliding_window, cfg.sliding_layers, cfg.local_rope_theta) == (W, (0, 2), None)
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (5.0, 8.0) and not cfg.qk_norm
+    else:
+        assert cfg.sliding_layers == (0, 1, 2, 3, 4) and cfg.local_rope_theta == 20.0
     assert _max_diff_on_real(lm.logits(tokens, mask), expected, mask) < TOL
 
-    _write_gemma3_gguf(model, tmp_path / "q8.gguf", QUANTIZED)
+    _write_gemma_gguf(model, tmp_path / "q8.gguf", QUANTIZED)
     quantized = jaxsr.load_model(tmp_path / "q8.gguf", cache=False)
     q8 = gguf.GGMLQuantizationType.Q8_0
     for name, p in model.named_parameters():
@@ -365,7 +383,7 @@ def _random_k_blocks(rng: np.random.Generator, shape: tuple[int, int], kind, std
 def _quantise_in_place(model, kinds: dict[str, object], seed: int = 0) -> dict[str, tuple[np.ndarray, Any]]:
     """Write the projections named by `kinds` (suffix → GGML type) as that type: Q8_0 by gguf's
     quantiser, K-quants as random blocks. The torch weights become the dequantised ones; returns
-    `_write_gemma3_gguf`'s `raw`."""
+    `_write_gemma_gguf`'s `raw`."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -387,22 +405,19 @@ def _quantise_in_place(model, kinds: dict[str, object], seed: int = 0) -> dict[s
     return raw
 
 
-def _gemma3_1b_shaped():
-    """Gemma 3 1B's attention shape (head_dim 256 = query_pre_attn_scalar, one KV head, the local
-    RoPE base 10000, no RoPE scaling): the file then says all transformers' GGUF reader needs. The
-    MLP is 256 wide and o_proj 1024 in, so down_proj and o_proj rows are whole K-quant blocks."""
+def _shaped_for_transformers(family: str):
+    """A file that says all transformers' GGUF reader needs, with MLP 256 wide and o_proj 1024 in (so
+    down_proj and o_proj rows are whole K-quant blocks). Gemma 3 1B's attention shape (head_dim 256 =
+    query_pre_attn_scalar, one KV head, the local RoPE base 10000, no RoPE scaling); Gemma 2 2B/9B's
+    (head_dim 256 = query_pre_attn_scalar, the soft-caps 50 and 30 of every released Gemma 2)."""
+    kwargs = dict(head_dim=256, query_pre_attn_scalar=256, num_key_value_heads=1, intermediate_size=256)
+    if family == "gemma2":
+        return H.make_model("gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **kwargs)
     rope = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
     }
-    return H.make_model(
-        "gemma3",
-        head_dim=256,
-        query_pre_attn_scalar=256,
-        num_key_value_heads=1,
-        intermediate_size=256,
-        rope_parameters=rope,
-    )
+    return H.make_model("gemma3", rope_parameters=rope, **kwargs)
 
 
 def _gguf_kinds(name: str) -> dict[str, object]:
@@ -426,18 +441,19 @@ def _transformers_gguf(path, **config):
 
 
 @pytest.mark.parametrize("kinds", ["f32", "q8_0+q4_k+q6_k"])
-def test_transformers_reads_a_gemma3_gguf_as_jaxsr_does(tmp_path, monkeypatch, kinds):
-    """The offline stand-in for "a real Gemma 3 GGUF loads and its logits match transformers'
-    reading of the same file": a 1B-shaped file (F32, and one with Q8_0, Q4_K and Q6_K tensors)
-    read by jaxsr and by transformers' GGUF loader, which shares no code with jaxsr's reader but
-    gguf's dequantisation. Both are also checked against torch on the (dequantised) weights."""
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_transformers_reads_a_gemma_gguf_as_jaxsr_does(tmp_path, monkeypatch, family, kinds):
+    """The offline stand-in for "a real Gemma 2 / Gemma 3 GGUF loads and its logits match
+    transformers' reading of the same file": a 2B / 1B-shaped file (F32, and one with Q8_0, Q4_K and
+    Q6_K tensors) read by jaxsr and by transformers' GGUF loader, which shares no code with jaxsr's
+    reader but gguf's dequantisation. Both are also checked against torch on the (dequantised) weights."""
     import gguf
 
     monkeypatch.setenv("JAXSR_CACHE_DIR", str(tmp_path / "param-cache"))
-    model = _gemma3_1b_shaped()
+    model = _shaped_for_transformers(family)
     raw = _quantise_in_place(model, _gguf_kinds(kinds))
-    path = tmp_path / "gemma3.gguf"
-    _write_gemma3_gguf(model, path, raw=raw, tokenizer=True)
+    path = tmp_path / f"{family}.gguf"
+    _write_gemma_gguf(model, path, raw=raw, tokenizer=True)
     types = {t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types == {"F32"} | {k.name for k in _gguf_kinds(kinds).values()}
 
@@ -452,11 +468,17 @@ def test_transformers_reads_a_gemma3_gguf_as_jaxsr_does(tmp_path, monkeypatch, k
     assert lm.tokenizer("ab").input_ids == [2, 5 + 0, 5 + 1]  # <bos> a b
 
 
-# What transformers' GGUF reader (GGUF_CONFIG_MAPPING["gemma3"]) does not read from a Gemma 3 file:
-# gemma3.rope.freq_base_swa and gemma3.rope.scaling.* (it keeps Gemma3TextConfig's local base 10000
-# and no scaling: Gemma 3 4B/12B/27B files have linear ×8 scaling), and llama.cpp's
+# What transformers' GGUF reader (GGUF_CONFIG_MAPPING[arch]) does not read from a Gemma file.
+# Gemma 3: gemma3.rope.freq_base_swa and gemma3.rope.scaling.* (it keeps Gemma3TextConfig's local base
+# 10000 and no scaling: Gemma 3 4B/12B/27B files have linear ×8 scaling), and llama.cpp's
 # query_pre_attn_scalar rule (it keeps 256, which is not the 27B's 168).
-TRANSFORMERS_GGUF_UNREAD = {"rope_parameters", "query_pre_attn_scalar"}
+# Gemma 2: gemma2.attn_logit_softcapping and gemma2.final_logit_softcapping (it keeps Gemma2Config's
+# 50 and 30, which every released Gemma 2 has), and llama.cpp's query_pre_attn_scalar rule (it keeps
+# 256, which is not the 27B's 144).
+TRANSFORMERS_GGUF_UNREAD = {
+    "gemma2": {"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"},
+    "gemma3": {"rope_parameters", "query_pre_attn_scalar"},
+}
 
 
 def _same(a, b) -> bool:
@@ -466,23 +488,70 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def test_transformers_gguf_reader_misses_only_known_gemma3_fields(tmp_path, monkeypatch):
-    """A 4B-shaped file (linear global RoPE scaling, local base 20, head_dim 16): transformers'
-    config differs from the one it was written from in the known fields only, and given those its
-    logits are jaxsr's. Without them they are not (the fields matter)."""
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_transformers_gguf_reader_misses_only_known_gemma_fields(tmp_path, monkeypatch, family):
+    """Gemma 3: a 4B-shaped file (linear global RoPE scaling, local base 20, head_dim 16); Gemma 2:
+    soft-caps 5 and 8, head_dim 16. transformers' config differs from the one it was written from in
+    the known fields only, and given those its logits are jaxsr's. Without them they are not (the
+    fields matter)."""
     monkeypatch.setenv("JAXSR_CACHE_DIR", str(tmp_path / "param-cache"))
-    model = H.make_model("gemma3", query_pre_attn_scalar=16)  # llama.cpp's rule: head_dim
-    path = tmp_path / "gemma3.gguf"
-    _write_gemma3_gguf(model, path, tokenizer=True)
+    model = H.make_model(family, query_pre_attn_scalar=16)  # llama.cpp's rule: head_dim
+    path = tmp_path / f"{family}.gguf"
+    _write_gemma_gguf(model, path, tokenizer=True)
+    unread = TRANSFORMERS_GGUF_UNREAD[family]
     theirs = _transformers_gguf(path)
     keys = ("rope_parameters", "query_pre_attn_scalar", "layer_types", "sliding_window", "head_dim")
     keys += ("hidden_activation", "rms_norm_eps", "attn_logit_softcapping", "final_logit_softcapping")
     differ = {k for k in keys if not _same(getattr(theirs.config, k), getattr(model.config, k))}
-    assert differ <= TRANSFORMERS_GGUF_UNREAD, differ
+    assert differ <= unread, differ
 
     tokens, mask = _batch()
     got = jaxsr.load_model(path, cache=False).logits(tokens, mask)
     if differ:
         assert _max_diff_on_real(got, H.torch_logits(theirs, tokens, mask), mask) > 1e-2
-    told = _transformers_gguf(path, **{k: getattr(model.config, k) for k in TRANSFORMERS_GGUF_UNREAD})
+    told = _transformers_gguf(path, **{k: getattr(model.config, k) for k in unread})
     assert _max_diff_on_real(got, H.torch_logits(told, tokens, mask), mask) < TOL
+
+
+def _gemma2_metadata_only(path, layers: int = 4, **extra) -> None:
+    """A Gemma 2 file with only the keys llama.cpp requires (no soft-caps, window or RoPE base) and
+    the token embedding, plus the `extra` float keys (`gemma2.` + name)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "gemma2")
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_key_length(32)
+    writer.add_value_length(32)
+    writer.add_layer_norm_rms_eps(1e-6)
+    for name, value in extra.items():
+        writer.add_float32(f"gemma2.{name}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((H.VOCAB, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gemma2_gguf_without_metadata_gets_llama_cpps_values(tmp_path):
+    """What a Gemma 2 file does not store is what llama.cpp assumes: soft-caps 50 and 30, a window of
+    4096 on every other layer from layer 0, RoPE base 10000, and query_pre_attn_scalar = head_dim but
+    for the 46-layer 27B (hidden/heads)."""
+    from jaxsr.loading.gguf import read_gguf
+
+    _gemma2_metadata_only(tmp_path / "small.gguf")
+    hf, _, _ = read_gguf(tmp_path / "small.gguf")
+    cfg = decoder_config_from_hf(hf)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (4096, (0, 2))
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.local_rope_theta) == (10000.0, None, None)
+    assert (cfg.query_pre_attn_scalar, cfg.model_type, cfg.tie_word_embeddings) == (32, "gemma2", True)
+    _gemma2_metadata_only(tmp_path / "27b.gguf", layers=46)
+    assert read_gguf(tmp_path / "27b.gguf")[0]["query_pre_attn_scalar"] == 64 // 4
+    _gemma2_metadata_only(tmp_path / "swa.gguf", **{"rope.freq_base_swa": 20.0})
+    with pytest.raises(ValueError, match="separate RoPE base for its local layers"):
+        read_gguf(tmp_path / "swa.gguf")

@@ -3,19 +3,21 @@
 Weights are dequantised with the `gguf` package (numpy, no torch) and renamed to Hugging Face's names
 and [out, in] layout, so `convert_hf_tensors` treats a GGUF exactly like a safetensors checkpoint.
 llama.cpp's Llama converter reorders each head's q/k rows for its interleaved RoPE kernel; `unpermute_qk`
-puts them back in the rotate-half order Hugging Face (and jaxsr) use. Its Gemma converter stores the
-norm weights with Gemma's +1 already added; it is taken off again, as Hugging Face stores them.
+puts them back in the rotate-half order Hugging Face (and jaxsr) use. Its Gemma 2 and Gemma 3 converters
+store the norm weights with Gemma's +1 already added; it is taken off again, as Hugging Face stores them.
+What a Gemma file does not store is filled in as llama.cpp's loader does (`GEMMA`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType, Keys
 from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
@@ -29,14 +31,67 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 # GGUF architectures whose Hugging Face model_type is another name.
 MODEL_TYPES = {"gemma3": "gemma3_text"}
 # Architectures whose converter permutes q/k for interleaved RoPE (Qwen's use NeoX RoPE and do not).
 PERMUTED_QK = ("llama",)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaDefaults:
+    """What llama.cpp's loader takes for a Gemma architecture where the file says nothing
+    (llama-model.cpp's hyperparameters of LLM_ARCH_GEMMA2 / LLM_ARCH_GEMMA3, llama-hparams.h's defaults)."""
+
+    layers_27b: int
+    """The 27B's block count: its attention scale is 1/sqrt(hidden/heads), every other size's 1/sqrt(head_dim)
+    (llama.cpp's `f_attention_scale`; query_pre_attn_scalar is not stored)."""
+    rope_theta: float
+    """The (global) RoPE base without `rope.freq_base`."""
+    local_rope_theta: float | None
+    """The local layers' base without `rope.freq_base_swa`; None: the global base (one base, as Gemma 2)."""
+    attn_logit_softcapping: float | None
+    final_logit_softcapping: float | None
+    """The soft-caps without `attn_logit_softcapping` / `final_logit_softcapping` (None: no cap)."""
+    sliding_window: int | None
+    """The window without `attention.sliding_window` (None: the key is required)."""
+    sliding_window_pattern: int
+    """Every `pattern`-th layer is global, the others local (llama.cpp's `set_swa_pattern`)."""
+    pattern_from_file: bool
+    """Whether `attention.sliding_window_pattern` may override the pattern."""
+
+
 # Architectures whose converter adds 1 to every norm weight (Gemma's RMSNorm multiplies by 1 + w).
-NORM_SHIFTED = ("gemma3",)
+GEMMA = {
+    # llama.cpp: n_swa = 4096 unless stored, set_swa_pattern(2) (layer 0 local), attn_soft_cap always on
+    # with the caps defaulting to 50 and 30, 27B = 46 layers. Its converter writes no RoPE base (llama.cpp's
+    # default 10000 is Gemma 2's), and its local layers use the global base and scaling.
+    "gemma2": GemmaDefaults(
+        layers_27b=46,
+        rope_theta=10000.0,
+        local_rope_theta=None,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        sliding_window=4096,
+        sliding_window_pattern=2,
+        pattern_from_file=False,
+    ),
+    # llama.cpp: the window is required, set_swa_pattern(6), the local base 10000 (unscaled), 27B = 62
+    # layers; no soft-cap unless stored.
+    "gemma3": GemmaDefaults(
+        layers_27b=62,
+        rope_theta=1e6,
+        local_rope_theta=10000.0,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        sliding_window=None,
+        sliding_window_pattern=6,
+        pattern_from_file=True,
+    ),
+}
+NORM_SHIFTED = tuple(GEMMA)
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_TENSORS = {
@@ -198,7 +253,7 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
     if meta.get(f"{arch}.expert_count", 0):
         raise ValueError(f"{path}: mixture-of-experts GGUF models are not supported")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or (scaling == "linear" and arch not in NORM_SHIFTED):
+    if scaling not in ("none", "linear") or (scaling == "linear" and arch not in GEMMA):
         raise ValueError(f"{path}: GGUF RoPE scaling (rope.scaling.type={scaling}) is not supported")
     if "model.embed_tokens.weight" not in shapes:
         raise CheckpointError(f"{path}: missing tensor 'token_embd.weight' (the token embedding)")
@@ -228,8 +283,8 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in shapes,
         "mlp_bias": "model.layers.0.mlp.up_proj.bias" in shapes,
     }
-    if arch == "gemma3":
-        config |= _gemma3_config(meta, arch, hidden // heads if layers == 62 else head_dim)
+    if arch in GEMMA:
+        config |= _gemma_config(meta, arch, hidden // heads, head_dim, layers)
     special = {"bos_token_id": "bos", "pad_token_id": "padding"}
     for hf_key, gguf_key in special.items():
         if (value := meta.get(f"tokenizer.ggml.{gguf_key}_token_id")) is not None:
@@ -239,23 +294,44 @@ def _hf_config(meta: _Metadata, arch: str, shapes: Mapping[str, tuple[int, ...]]
     return config
 
 
-def _gemma3_config(meta: _Metadata, arch: str, query_pre_attn_scalar: int) -> dict[str, Any]:
-    """Gemma 3's fields as llama.cpp reads them: the local layers' RoPE base defaults to 10000, one
-    layer in `sliding_window_pattern` (6) is global, and the attention scale comes from the model size
-    (`query_pre_attn_scalar`: hidden/heads for the 62-layer 27B, head_dim for the others)."""
+def _gemma_config(
+    meta: _Metadata, arch: str, hidden_per_head: int, head_dim: int, layers: int
+) -> dict[str, Any]:
+    """Gemma 2 / Gemma 3's fields as llama.cpp reads them, with its `GEMMA[arch]` values for absent keys."""
+    defaults = GEMMA[arch]
+    key = lambda template: template.format(arch=arch)  # gguf's `{arch}.…` key names
+    theta = meta.get(key(Keys.Rope.FREQ_BASE), defaults.rope_theta)
+    local_theta = meta.get(key(Keys.Rope.FREQ_BASE_SWA), defaults.local_rope_theta or theta)
+    pattern = defaults.sliding_window_pattern
+    if defaults.pattern_from_file:
+        pattern = meta.count(key(Keys.Attention.SLIDING_WINDOW_PATTERN), pattern)
     fields = {
         "hidden_activation": "gelu_pytorch_tanh",
-        "rope_theta": meta.get(f"{arch}.rope.freq_base", 1e6),
-        "rope_local_base_freq": meta.get(f"{arch}.rope.freq_base_swa", 10000.0),
-        "sliding_window": meta.count(f"{arch}.attention.sliding_window"),
-        "sliding_window_pattern": meta.count(f"{arch}.attention.sliding_window_pattern", 6),
-        "query_pre_attn_scalar": query_pre_attn_scalar,
-        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
-        "attn_logit_softcapping": meta.get(f"{arch}.attn_logit_softcapping"),
+        "rope_theta": theta,
+        "sliding_window": meta.count(key(Keys.Attention.SLIDING_WINDOW), defaults.sliding_window),
+        # llama.cpp's set_swa_pattern: layer i is local when i % pattern < pattern - 1
+        "layer_types": [
+            "sliding_attention" if i % pattern < pattern - 1 else "full_attention" for i in range(layers)
+        ],
+        "query_pre_attn_scalar": hidden_per_head if layers == defaults.layers_27b else head_dim,
+        "attn_logit_softcapping": meta.get(
+            key(Keys.LLM.ATTN_LOGIT_SOFTCAPPING), defaults.attn_logit_softcapping
+        ),
+        "final_logit_softcapping": meta.get(
+            key(Keys.LLM.FINAL_LOGIT_SOFTCAPPING), defaults.final_logit_softcapping
+        ),
     }
-    if meta.get(f"{arch}.rope.scaling.type") == "linear":
-        factor = meta.require(f"{arch}.rope.scaling.factor")
-        fields["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+    if defaults.local_rope_theta is not None:
+        fields["rope_local_base_freq"] = local_theta
+    elif local_theta != theta:
+        raise ValueError(
+            f"{meta.path}: {arch} with a separate RoPE base for its local layers is not supported"
+        )
+    if meta.get(key(Keys.Rope.SCALING_TYPE)) == "linear":
+        fields["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": meta.require(key(Keys.Rope.SCALING_FACTOR)),
+        }
     return fields
 
 
