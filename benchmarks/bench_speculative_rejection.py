@@ -19,6 +19,7 @@ Also: Spearman correlation between partial and final reward at several decision 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ def interpolate_compute(score: float, curve: list[tuple[float, float]]) -> tuple
     ys = [s for _, s in curve]
     if score <= ys[0]:
         return curve[0][0], False
-    for (x0, y0), (x1, y1) in zip(zip(xs, ys, strict=True), zip(xs[1:], ys[1:], strict=True), strict=True):
+    for (x0, y0), (x1, y1) in itertools.pairwise(zip(xs, ys, strict=True)):
         if y0 <= score <= y1 and y1 > y0:
             return math.exp(x0 + (score - y0) / (y1 - y0) * (x1 - x0)), False
     return curve[-1][0], True  # SR beats the largest N measured: the speedup is at least this
