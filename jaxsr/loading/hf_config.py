@@ -156,25 +156,15 @@ def _gemma_config(hf: dict[str, Any], model_type: str) -> DecoderConfig:
     global layers; soft-capping (Gemma 2) or q/k norms and a separate local RoPE base (Gemma 3)."""
     if flag(hf, "use_bidirectional_attention"):
         raise ValueError("field 'use_bidirectional_attention': bidirectional Gemma is not supported")
-    heads, hidden = positive_int(hf, "num_attention_heads"), positive_int(hf, "hidden_size")
     gemma2 = model_type == "gemma2"
     if gemma2:
         (theta, scaling), local_theta = _rope(hf), None
     else:
         theta, scaling, local_theta = _gemma3_rope(hf)
-    window, sliding_layers = _sliding_window(hf, model_type)
     bias = flag(hf, "attention_bias")
     activation = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     return DecoderConfig(
-        vocab_size=positive_int(hf, "vocab_size"),
-        hidden_size=hidden,
-        num_layers=positive_int(hf, "num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=positive_int(hf, "num_key_value_heads", heads),
-        head_dim=positive_int(hf, "head_dim", hidden // heads),
-        intermediate_size=positive_int(hf, "intermediate_size"),
-        max_position_embeddings=positive_int(hf, "max_position_embeddings", 8192 if gemma2 else 131072),
-        norm_eps=small_epsilon(hf, "rms_norm_eps", 1e-6),
+        **_llama_layout(hf, model_type, 8192 if gemma2 else 131072),
         rope_theta=theta,
         rope_scaling=scaling,
         local_rope_theta=local_theta,
@@ -189,6 +179,24 @@ def _gemma_config(hf: dict[str, Any], model_type: str) -> DecoderConfig:
         attn_logit_softcapping=_optional_cap(hf, "attn_logit_softcapping", 50.0 if gemma2 else None),
         final_logit_softcapping=_optional_cap(hf, "final_logit_softcapping", 30.0 if gemma2 else None),
         tie_word_embeddings=flag(hf, "tie_word_embeddings", True),
+    )
+
+
+def _llama_layout(hf: dict[str, Any], model_type: str, context: int) -> dict[str, Any]:
+    """The DecoderConfig fields every Llama-layout config.json spells alike (sizes, RMSNorm epsilon,
+    sliding window, reward head); `context` is the family's default max_position_embeddings."""
+    heads, hidden = positive_int(hf, "num_attention_heads"), positive_int(hf, "hidden_size")
+    window, sliding_layers = _sliding_window(hf, model_type)
+    return dict(
+        vocab_size=positive_int(hf, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=positive_int(hf, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=positive_int(hf, "num_key_value_heads", heads),
+        head_dim=positive_int(hf, "head_dim", hidden // heads),
+        intermediate_size=positive_int(hf, "intermediate_size"),
+        max_position_embeddings=positive_int(hf, "max_position_embeddings", context),
+        norm_eps=small_epsilon(hf, "rms_norm_eps", 1e-6),
         num_labels=_num_labels(hf),
         model_type=model_type,
         sliding_window=window,
@@ -234,20 +242,9 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
             num_labels=_num_labels(hf),
             model_type=model_type,
         )
-    heads, hidden = positive_int(hf, "num_attention_heads"), positive_int(hf, "hidden_size")
     theta, scaling = _rope(hf)
-    window, sliding_layers = _sliding_window(hf, model_type)
     return DecoderConfig(
-        vocab_size=positive_int(hf, "vocab_size"),
-        hidden_size=hidden,
-        num_layers=positive_int(hf, "num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=positive_int(hf, "num_key_value_heads", heads),
-        head_dim=positive_int(hf, "head_dim", hidden // heads),
-        intermediate_size=positive_int(hf, "intermediate_size"),
-        max_position_embeddings=positive_int(hf, "max_position_embeddings", 2048),
-        norm="rms",
-        norm_eps=small_epsilon(hf, "rms_norm_eps", 1e-6),
+        **_llama_layout(hf, model_type, 2048),
         rope_theta=theta,
         rope_scaling=scaling,
         activation=_activation(hf.get("hidden_act", "silu")),
@@ -256,10 +253,6 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
         mlp_bias=flag(hf, "mlp_bias"),
         qk_norm=model_type == "qwen3",
         tie_word_embeddings=flag(hf, "tie_word_embeddings"),
-        num_labels=_num_labels(hf),
-        model_type=model_type,
-        sliding_window=window,
-        sliding_layers=sliding_layers,
     )
 
 
