@@ -230,20 +230,32 @@ def sft(config: SFTConfig, *, progress: bool = True) -> Path:
             _check_resumable(checkpoints.progress(step), config, len(examples), output)
             state = checkpoints.restore(step, state)
         bar = tqdm(total=config.steps, initial=step, disable=not progress, unit="step", desc="sft")
+        shown: tuple[dict[str, jax.Array], int] | None = None  # a dispatched step's metrics and tokens
+        clock = time.perf_counter()
+
+        def show(metrics: dict[str, jax.Array], tokens: int) -> float:
+            """Read a step's loss (waiting for it) and advance the bar."""
+            nonlocal clock
+            loss, now = float(metrics["loss"]), time.perf_counter()
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (now - clock):.0f}")
+            bar.update(1)
+            clock = now
+            return loss
+
         try:
             with on_mesh(model):
                 while step < config.steps:
-                    started = time.perf_counter()
                     batch = step_batch(examples, config, step)
                     params, opt_state, metrics = train_step(*state, place_batch(mesh, batch))
                     state, step = (params, opt_state), step + 1
-                    loss = float(metrics["loss"])
-                    seconds = time.perf_counter() - started
-                    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{batch['mask'].sum() / seconds:.0f}")
-                    bar.update(1)
+                    # the previous step's loss is read once this one is queued, so the host prepares
+                    # the next batch while the device works instead of waiting on every step
+                    if shown is not None:
+                        show(*shown)
+                    shown = (metrics, int(batch["mask"].sum()))
                     if step % config.save_every == 0 or step == config.steps:
-                        record = _progress(config, step, len(examples), loss)
-                        checkpoints.save(step, state, record)
+                        loss, shown = show(*shown), None
+                        checkpoints.save(step, state, _progress(config, step, len(examples), loss))
         finally:
             bar.close()
             checkpoints.close()
