@@ -145,16 +145,11 @@ class Model:
     def token_batch(self, token_ids: Any, attention_mask: Any = None) -> tuple[jax.Array, jax.Array]:
         """`as_token_batch` with this model's vocabulary, and a length the context holds."""
         tokens, mask = as_token_batch(token_ids, attention_mask, vocab_size=self.config.vocab_size)
-        self.check_tokens(tokens)
-        return tokens, mask
-
-    def check_tokens(self, tokens: jax.Array) -> None:
-        if int(tokens.max(initial=0)) >= self.config.vocab_size or int(tokens.min(initial=0)) < 0:
-            raise ValueError(f"token_ids: ids must lie in [0, {self.config.vocab_size})")
         if tokens.shape[1] > self.config.context:
             raise ValueError(
                 f"token_ids: length {tokens.shape[1]} exceeds the model's context of {self.config.context}"
             )
+        return tokens, mask
 
     def logits(self, token_ids: Any, attention_mask: Any = None) -> jax.Array:
         """[B, T, vocab] float32 logits; left-padded rows allowed (positions count real tokens)."""
