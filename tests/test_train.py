@@ -33,7 +33,8 @@ from jaxsr.training.data import (
     stream_indices,
     tokenize_examples,
 )
-from jaxsr.training.sft import make_optimizer, make_train_step, response_nll
+from jaxsr.training.loop import make_optimizer, make_train_step
+from jaxsr.training.sft import response_nll, sft_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,7 +177,7 @@ def test_the_train_step_compiles_once_per_bucket():
     model = tiny_model()
     config = SFTConfig(data="unused.jsonl", steps=10, warmup_steps=1)
     optimizer = make_optimizer(config)
-    step = make_train_step(model.graph, optimizer, "float32")
+    step = make_train_step(model.graph, optimizer, "float32", sft_loss)
     state = (model.params, jax.jit(optimizer.init)(model.params))
     examples = [Example(np.arange(1, 1 + n, dtype=np.int32), 2) for n in (10, 30, 12, 25)]
     with compilations() as compiled:
@@ -197,7 +198,7 @@ def test_accumulated_micro_batches_make_the_update_of_one_batch():
     examples = [Example(np.arange(1, 1 + n, dtype=np.int32), p) for n, p in lengths]
     updated = []
     for micro_batches in (1, 2):
-        step = make_train_step(model.graph, optimizer, "float32")
+        step = make_train_step(model.graph, optimizer, "float32", sft_loss)
         params = jax.tree.map(jax.numpy.copy, model.params)
         batch = make_batch(examples, np.arange(4), micro_batches, 64)
         params, _, metrics = step(params, optimizer.init(params), batch)

@@ -1,36 +1,23 @@
-"""Supervised fine-tuning on the responses a job chose: config, loss, train step and the resumable loop.
-
-The train state is the float32 (master) parameters and the optimiser state; with `param_dtype:
-bfloat16` the forward and backward passes run on a bfloat16 copy made inside the step, while updates
-and Adam's moments stay in float32. One step is one optimiser update over `grad_accum` micro-batches
-(scanned, gradients summed), the loss the mean negative log-likelihood over every response token of
-the step. Parameters are placed on the mesh the way inference places them, batch rows split over
-`data`. A run checkpoints every `save_every` steps; started again with the same config it resumes from
-the newest complete checkpoint and ends with the parameters an uninterrupted run ends with.
+"""Supervised fine-tuning on the responses a job chose: its config, its loss and `sft`, the run
+(the optimiser, step and resumable loop are `jaxsr.training.loop`'s). The loss is the mean negative
+log-likelihood over every response token of a step; parameters are placed on the mesh the way
+inference places them, batch rows split over `data`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from tqdm.auto import tqdm
 
 from jaxsr.jobs.config import check_field_types, check_mesh_keys, content_fingerprint, load_config
 from jaxsr.jobs.methods import job_mesh, resolve_model
 from jaxsr.jobs.runner import holding
 from jaxsr.loading.api import DTYPES, save_model
-from jaxsr.sharding import logical_to_spec, on_mesh
-from jaxsr.training.checkpoints import Checkpoints
 from jaxsr.training.data import (
     SELECTIONS,
     Example,
@@ -40,14 +27,11 @@ from jaxsr.training.data import (
     stream_indices,
     tokenize_examples,
 )
+from jaxsr.training.loop import Batch, Run, train
 
 PLACEMENT_KEYS = ("output_dir", "save_every", "mesh_data", "mesh_model")
 """Where a run writes, how often it checkpoints and on which devices: a run may resume with others."""
 POSITIVE_INTS = ("k", "max_length", "batch_size", "grad_accum", "steps", "save_every")
-
-Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
-TrainStep = Callable[[nnx.State, optax.OptState, Batch], tuple[nnx.State, optax.OptState, Metrics]]
 
 
 @dataclasses.dataclass
@@ -134,7 +118,7 @@ def load_sft_config(path: str | Path | None, overrides: list[str] = ()) -> SFTCo
     return load_config(SFTConfig, path, overrides)
 
 
-# -- loss and step --------------------------------------------------------------------------------
+# -- loss and batches ------------------------------------------------------------------------------
 def response_nll(logits: jax.Array, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(summed negative log-likelihood, count) of the tokens marked in `targets` ([..., T] 0/1): the
     logits at position t predict token t + 1, so prompt and padding tokens add nothing."""
@@ -144,54 +128,10 @@ def response_nll(logits: jax.Array, tokens: jax.Array, targets: jax.Array) -> tu
     return -(picked * weight).sum(), weight.sum()
 
 
-def make_optimizer(config: SFTConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW along a linear warm-up + cosine decay, no decay on vectors."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.learning_rate, config.warmup_steps, config.steps, end_value=config.end_learning_rate
-    )
-    matrices = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
-    return optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adamw(schedule, weight_decay=config.weight_decay, mask=matrices),
-    )
-
-
-def make_train_step(
-    graph: nnx.GraphDef, optimizer: optax.GradientTransformation, param_dtype: str
-) -> TrainStep:
-    """The jitted `train_step(params, opt_state, batch) -> (params, opt_state, metrics)`, a pure
-    function of its arguments (the first two donated). `batch` holds [micro_batches, rows, T] arrays;
-    `metrics` the step's mean response-token loss, its response tokens and the gradient's norm."""
-    compute_dtype = jnp.dtype(param_dtype)
-
-    def summed_nll(params: nnx.State, micro: Batch) -> tuple[jax.Array, jax.Array]:
-        module = nnx.merge(graph, jax.tree.map(lambda p: p.astype(compute_dtype), params))
-        hidden, _ = module.prefill(micro["tokens"], micro["mask"])
-        return response_nll(module.logits(hidden), micro["tokens"], micro["targets"])
-
-    gradient = jax.value_and_grad(summed_nll, has_aux=True)
-
-    def train_step(params: nnx.State, opt_state: optax.OptState, batch: Batch):
-        def accumulate(grads: nnx.State, micro: Batch):
-            (nll, count), micro_grads = gradient(params, micro)
-            return jax.tree.map(jnp.add, grads, micro_grads), (nll, count)
-
-        grads, (nll, count) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
-        tokens = jnp.maximum(count.sum(), 1.0)
-        grads = jax.tree.map(lambda g: g / tokens, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics = {"loss": nll.sum() / tokens, "tokens": count.sum(), "grad_norm": optax.tree.norm(grads)}
-        return optax.apply_updates(params, updates), opt_state, metrics
-
-    return jax.jit(train_step, donate_argnums=(0, 1))
-
-
-def place_batch(mesh: Mesh | None, batch: dict[str, np.ndarray]) -> Batch:
-    """The batch on the devices, its rows (axis 1) split over `data` when they divide."""
-    if mesh is None:
-        return {name: jnp.asarray(x) for name, x in batch.items()}
-    spec = lambda x: NamedSharding(mesh, logical_to_spec((None, "batch", None), x.shape, mesh))
-    return {name: jax.device_put(x, spec(x)) for name, x in batch.items()}
+def sft_loss(module: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
+    """The response tokens' summed negative log-likelihood under `module`, and their count."""
+    hidden, _ = module.prefill(micro["tokens"], micro["mask"])
+    return response_nll(module.logits(hidden), micro["tokens"], micro["targets"])
 
 
 def step_batch(examples: list[Example], config: SFTConfig, step: int) -> dict[str, np.ndarray]:
@@ -221,71 +161,21 @@ def sft(config: SFTConfig, *, progress: bool = True) -> Path:
         examples = tokenize_examples(model, pairs, chat=config.chat, max_length=config.max_length)
         if not examples:
             raise ValueError(f"data: {config.data}: no selected response fits max_length={config.max_length}")
-        optimizer = make_optimizer(config)
-        train_step = make_train_step(model.graph, optimizer, config.param_dtype)
-        state = (model.params, jax.jit(optimizer.init)(model.params))
-        checkpoints = Checkpoints(output / "checkpoints")
-        step = checkpoints.latest() or 0
-        if step:
-            _check_resumable(checkpoints.progress(step), config, len(examples), output)
-            state = checkpoints.restore(step, state)
-        bar = tqdm(total=config.steps, initial=step, disable=not progress, unit="step", desc="sft")
-        shown: tuple[dict[str, jax.Array], int] | None = None  # a dispatched step's metrics and tokens
-        clock = time.perf_counter()
-
-        def show(metrics: dict[str, jax.Array], tokens: int) -> float:
-            """Read a step's loss (waiting for it) and advance the bar."""
-            nonlocal clock
-            loss, now = float(metrics["loss"]), time.perf_counter()
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / (now - clock):.0f}")
-            bar.update(1)
-            clock = now
-            return loss
-
-        try:
-            with on_mesh(model):
-                while step < config.steps:
-                    batch = step_batch(examples, config, step)
-                    params, opt_state, metrics = train_step(*state, place_batch(mesh, batch))
-                    state, step = (params, opt_state), step + 1
-                    # the previous step's loss is read once this one is queued, so the host prepares
-                    # the next batch while the device works instead of waiting on every step
-                    if shown is not None:
-                        show(*shown)
-                    shown = (metrics, int(batch["mask"].sum()))
-                    if step % config.save_every == 0 or step == config.steps:
-                        loss, shown = show(*shown), None
-                        checkpoints.save(step, state, _progress(config, step, len(examples), loss))
-        finally:
-            bar.close()
-            checkpoints.close()
-        params = jax.tree.map(lambda p: p.astype(config.param_dtype), state[0])
+        run = Run(
+            config=config,
+            model=model,
+            loss=sft_loss,
+            batch=lambda step: step_batch(examples, config, step),
+            examples=len(examples),
+            checkpoints=output / "checkpoints",
+            name="sft",
+            progress=progress,
+        )
+        params, _ = train(run)
+        params = jax.tree.map(lambda p: p.astype(config.param_dtype), params)
         return save_model(dataclasses.replace(model, params=params), output / "final")
 
 
 def _selection(config: SFTConfig) -> str:
     extra = {"top_k": f" k={config.k}", "threshold": f" threshold={config.threshold}"}.get(config.select, "")
     return f"select={config.select}{extra}"
-
-
-def _progress(config: SFTConfig, step: int, examples: int, loss: float) -> dict[str, Any]:
-    """What a checkpoint records besides the arrays: enough to check and continue the run."""
-    return {
-        "fingerprint": config.fingerprint(),
-        "step": step,
-        "position": step * config.examples_per_step,
-        "seed": config.seed,
-        "examples": examples,
-        "loss": loss,
-        "config": dataclasses.asdict(config),
-    }
-
-
-def _check_resumable(record: dict[str, Any], config: SFTConfig, examples: int, output: Path) -> None:
-    """Refuse to continue another run's checkpoints (a different config, or data that changed)."""
-    if record.get("fingerprint") != config.fingerprint() or record.get("examples") != examples:
-        raise ValueError(
-            f"output_dir: {output} holds checkpoints of a different run (config {record.get('fingerprint')}"
-            f" with {record.get('examples')} examples; this run is {config.fingerprint()} with {examples});"
-            " choose another output_dir or remove it"
-        )
