@@ -17,7 +17,13 @@ from jaxsr.checks import check_bool, check_positive_int, check_responses_fit, ch
 from jaxsr.decoding import cost
 from jaxsr.decoding.contrast import ContrastKind, make_contrast
 from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Run, Sampler, as_sampler, decode, samples_of
-from jaxsr.decoding.inputs import Request, check_language_model, check_pair, prepare
+from jaxsr.decoding.inputs import (
+    Request,
+    check_contrastive_pair,
+    check_language_model,
+    check_pair,
+    prepare,
+)
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import SpeculativeContrastiveDecoding, SpeculativeDecoding
 from jaxsr.decoding.steps import ContrastiveDecoding
@@ -38,7 +44,8 @@ def _check_gamma(gamma: Any, *models: Model) -> int:
 
 
 def speculative_decoder(target: Model, draft: Model, *, gamma: int = 4) -> Sampler:
-    """Speculative decoding: samples exactly from `target`, `draft` proposing γ tokens per call."""
+    """Speculative decoding: samples exactly from `target`, `draft` proposing γ tokens per call (any
+    draft distribution keeps it exact: a draft with a reduced output layer, `head_token_ids`, too)."""
     check_pair(target, draft, ("target", "draft"))
     return Sampler((target, draft), SpeculativeDecoding(gamma=_check_gamma(gamma, target, draft)))
 
@@ -53,7 +60,7 @@ def contrastive_decoder(
     tau: float = 1.0,
 ) -> Sampler:
     """Contrastive decoding (expert and amateur step together every token)."""
-    check_pair(expert, amateur, ("expert", "amateur"))
+    check_contrastive_pair(expert, amateur)
     weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
     return Sampler((expert, amateur), ContrastiveDecoding(), weights)
 
@@ -70,7 +77,7 @@ def speculative_contrastive_decoder(
 ) -> Sampler:
     """Speculative contrastive decoding: exactly contrastive decoding's distribution, the amateur
     drafting γ tokens per expert call."""
-    check_pair(expert, amateur, ("expert", "amateur"))
+    check_contrastive_pair(expert, amateur)
     weights = make_contrast(alpha, beta, contrast=contrast, tau=tau)
     method = SpeculativeContrastiveDecoding(gamma=_check_gamma(gamma, expert, amateur))
     return Sampler((expert, amateur), method, weights)

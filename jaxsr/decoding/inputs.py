@@ -84,6 +84,19 @@ def check_pair(target: Any, second: Any, names: tuple[str, str]) -> None:
         raise ValueError(f"{names[1]}: its tokenizer maps tokens to different ids than the {names[0]}'s")
 
 
+def check_contrastive_pair(expert: Any, amateur: Any) -> None:
+    """`check_pair`, and both models score every token: the contrast expert − β·amateur needs every
+    log-probability of both, and a reduced output layer's -inf would make it +inf or NaN."""
+    check_pair(expert, amateur, ("expert", "amateur"))
+    for model, name in ((expert, "expert"), (amateur, "amateur")):
+        if model.config.head_token_ids is not None:
+            raise ValueError(
+                f"{name}: contrastive decoding needs both models' log-probabilities of every token "
+                f"(expert − β·amateur); this model's output layer scores only {model.config.head_size} "
+                "ids (head_token_ids) and gives the others -inf"
+            )
+
+
 CHARACTER_SLACK = 4
 """How many times the characters of its longest token one token may cover (normalisation can fold
 several characters of text into one)."""

@@ -264,6 +264,10 @@ def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None 
 
     `pad_token_id` (default: the tokenizer's) goes into config.json; transformers' reward models need it.
 
+    A model with a reduced output layer (`DecoderConfig.head_token_ids`) is saved with its ids under
+    config.json's `jaxsr_head_token_ids` and a [K, hidden] lm_head.weight: `load_model` reads it back,
+    transformers cannot load it.
+
     The files are written into a temporary sibling directory first and then moved into place, so a
     failure leaves `directory` as it was. Other files already in `directory` are kept; files of an
     earlier checkpoint that this one would not replace (shards, an index, a tokenizer) are refused.

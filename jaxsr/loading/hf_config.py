@@ -204,7 +204,27 @@ def _llama_layout(hf: dict[str, Any], model_type: str, context: int) -> dict[str
     )
 
 
+HEAD_TOKEN_IDS = "jaxsr_head_token_ids"
+"""config.json key of `DecoderConfig.head_token_ids`, a jaxsr extension: such a checkpoint's
+lm_head.weight is [K, hidden], which transformers cannot load."""
+
+
 def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
+    """The decoder a config.json describes, with jaxsr's reduced output layer where it names one
+    (`HEAD_TOKEN_IDS`)."""
+    config = _architecture_config(hf)
+    ids = hf.get(HEAD_TOKEN_IDS)
+    if ids is None:
+        return config
+    if not isinstance(ids, list):
+        raise ValueError(f"field {HEAD_TOKEN_IDS!r}: expected a list of token ids, got {ids!r}")
+    try:  # DecoderConfig checks the ids, and refuses them with tied embeddings or a reward head
+        return dataclasses.replace(config, head_token_ids=ids)
+    except ValueError as e:
+        raise ValueError(f"field {HEAD_TOKEN_IDS!r}: {e}") from None
+
+
+def _architecture_config(hf: dict[str, Any]) -> DecoderConfig:
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
         raise ValueError(
@@ -212,7 +232,7 @@ def decoder_config_from_hf(hf: dict[str, Any]) -> DecoderConfig:
             f"(architectures={hf.get('architectures')}); jaxsr supports {', '.join(SUPPORTED)}"
         )
     if model_type == MULTIMODAL_GEMMA:
-        return decoder_config_from_hf(_gemma_text_config(hf))
+        return _architecture_config(_gemma_text_config(hf))
     if model_type in GEMMA:
         return _gemma_config(hf, model_type)
     if model_type == "gpt2":
@@ -307,6 +327,8 @@ def hf_config_from_decoder(cfg: DecoderConfig) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": cfg.tie_word_embeddings,
     }
+    if cfg.head_token_ids is not None:
+        hf[HEAD_TOKEN_IDS] = list(cfg.head_token_ids)
     if cfg.is_reward_model:
         hf["num_labels"] = cfg.num_labels
     if cfg.model_type == "gpt2":

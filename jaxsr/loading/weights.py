@@ -160,7 +160,8 @@ def gpt2_rules(cfg: DecoderConfig) -> list[Rule]:
 
 
 def model_rules(cfg: DecoderConfig) -> list[Rule]:
-    """The body's rules plus the output head (a reward `score`, or an untied `lm_head`)."""
+    """The body's rules plus the output head (a reward `score`, or an untied `lm_head`: one row per
+    scored id, [head_size, hidden])."""
     rules = gpt2_rules(cfg) if cfg.model_type == "gpt2" else llama_rules(cfg)
     d = cfg.hidden_size
     if cfg.is_reward_model:
@@ -169,7 +170,7 @@ def model_rules(cfg: DecoderConfig) -> list[Rule]:
         )
     elif not cfg.tie_word_embeddings:
         rules.append(
-            Rule("lm_head.weight", ("lm_head",), np.transpose, per_layer=False, shape=(cfg.vocab_size, d))
+            Rule("lm_head.weight", ("lm_head",), np.transpose, per_layer=False, shape=(cfg.head_size, d))
         )
     return rules
 

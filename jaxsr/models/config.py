@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Literal
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,10 @@ class DecoderConfig:
     sliding_layers: tuple[int, ...] | None = None
     """Indices of the windowed layers, ascending; None (the default) means every layer when there is
     a window. Stored as a tuple, empty without a window."""
+    head_token_ids: tuple[int, ...] | None = None
+    """Vocabulary ids the output layer scores, ascending and distinct, each < vocab_size; None: every
+    id. Other ids get logit -inf (probability 0): a small draft model skips most of a large
+    vocabulary's output layer, and speculative sampling stays exact for any draft distribution."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -93,6 +100,36 @@ class DecoderConfig:
                 f"sliding_layers: expected ascending layer indices below {self.num_layers}, got {layers}"
             )
         object.__setattr__(self, "sliding_layers", layers)  # frozen: normalised once, here
+        if self.head_token_ids is not None:
+            object.__setattr__(self, "head_token_ids", self._checked_head_ids())
+
+    def _checked_head_ids(self) -> tuple[int, ...]:
+        """`head_token_ids` as a tuple of Python ints, or a ValueError naming it."""
+        ids = self.head_token_ids
+        try:
+            ids = tuple(ids)
+        except TypeError:
+            raise ValueError(f"head_token_ids: expected a sequence of token ids, got {ids!r}") from None
+        if not ids or not all(isinstance(i, int | np.integer) and not isinstance(i, bool) for i in ids):
+            raise ValueError(
+                f"head_token_ids: expected a non-empty sequence of ints, got {_abbreviated(ids)}"
+            )
+        ids = tuple(int(i) for i in ids)
+        if any(a >= b for a, b in itertools.pairwise(ids)) or not 0 <= ids[0] <= ids[-1] < self.vocab_size:
+            raise ValueError(
+                f"head_token_ids: expected ascending, distinct ids in [0, {self.vocab_size}), got "
+                f"{_abbreviated(ids)}"
+            )
+        if self.tie_word_embeddings:
+            raise ValueError("head_token_ids: a reduced output layer cannot be tied to the embeddings")
+        if self.num_labels:
+            raise ValueError("head_token_ids: a reward model has no language-model head to reduce")
+        return ids
+
+    @property
+    def head_size(self) -> int:
+        """Columns of the output layer: len(head_token_ids), or vocab_size for a full head."""
+        return self.vocab_size if self.head_token_ids is None else len(self.head_token_ids)
 
     @property
     def context(self) -> int:
@@ -111,3 +148,8 @@ class DecoderConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token position occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _abbreviated(ids: tuple[int, ...]) -> str:
+    """The ids for an error message, shortened past a dozen (a head may hold thousands)."""
+    return str(list(ids)) if len(ids) <= 12 else f"[{', '.join(map(str, ids[:12]))}, ...] ({len(ids)} ids)"

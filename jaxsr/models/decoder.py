@@ -14,6 +14,9 @@ Sliding attention windows (`DecoderConfig.sliding_window`) are applied as transf
 in a windowed layer (`DecoderConfig.sliding_layers`) key k is visible to query q iff k <= q and
 q - k < W (the query sees W keys, itself included). The windowed masks are built once per call and
 shared by every windowed layer; other layers, and models without a window, use the plain causal masks.
+
+A reduced output layer (`DecoderConfig.head_token_ids`) scores only its K ids: `head_logits` gives
+those K columns, `logits` scatters them into the vocabulary with -inf elsewhere.
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ class Decoder(nnx.Module):
         self.blocks = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = _norm(cfg, dtype)
         has_head = not cfg.tie_word_embeddings and not cfg.is_reward_model
-        self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype) if has_head else None
+        self.lm_head = param(rngs, (cfg.hidden_size, cfg.head_size), dtype) if has_head else None
         self.score = param(rngs, (cfg.hidden_size, cfg.num_labels), dtype) if cfg.num_labels else None
 
     # -- pieces -------------------------------------------------------------------------------
@@ -227,14 +230,24 @@ class Decoder(nnx.Module):
             values.append(cache_v)
         return self.final_norm(x), rows.replace(k=tuple(keys), v=tuple(values))
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """Language-model logits in float32 (soft-capped where the config says so)."""
+    def head_logits(self, hidden: jax.Array) -> jax.Array:
+        """The output layer's logits [..., head_size] in float32 (soft-capped where the config says
+        so): column j scores `head_token_ids[j]`, or id j for a full head (then equal to `logits`)."""
         f32 = jnp.float32
         if self.lm_head is None:  # tied: contract with the [V, D] table as stored, no transposed copy
             logits = jnp.einsum("...d,vd->...v", hidden, self.embed[...], preferred_element_type=f32)
         else:
             logits = jnp.einsum("...d,dv->...v", hidden, self.lm_head[...], preferred_element_type=f32)
         return soft_cap(logits, self.config.final_logit_softcapping)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Language-model logits [..., vocab_size] in float32; ids outside `head_token_ids` get -inf."""
+        scored = self.head_logits(hidden)
+        ids = self.config.head_token_ids
+        if ids is None:
+            return scored
+        full = jnp.full((*scored.shape[:-1], self.config.vocab_size), -jnp.inf, jnp.float32)
+        return full.at[..., np.asarray(ids)].set(scored, indices_are_sorted=True, unique_indices=True)
 
     def scores(self, hidden: jax.Array, mask: jax.Array) -> jax.Array:
         """Reward-head outputs [B, num_labels] (float32) at each row's last non-pad token."""
