@@ -1,5 +1,5 @@
 """The `jaxsr` command: `jaxsr run CONFIG.yaml [key=value ...]`, `jaxsr demo [--prompts K ...]`,
-`jaxsr train sft CONFIG.yaml [key=value ...]`."""
+`jaxsr train sft|distill CONFIG.yaml [key=value ...]`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ from jaxsr.jobs.demo import run_demo
 from jaxsr.jobs.methods import build_solver
 from jaxsr.jobs.runner import run_job
 from jaxsr.loading.param_cache import cache_root
-from jaxsr.training import load_sft_config, sft
+from jaxsr.training import distill, load_distill_config, load_sft_config, sft
+
+TRAINERS = {
+    "sft": (load_sft_config, sft, "supervised fine-tuning on the chosen responses of a results JSONL",
+            "SFTConfig", "the fine-tuned model's directory"),
+    "distill": (load_distill_config, distill, "distil a draft/amateur from a teacher's own samples",
+                "DistillConfig", "the draft's directory"),
+}  # fmt: skip
+"""`jaxsr train STAGE`: (read the config, run it, help, config class, what it prints)."""
 
 
 def join_processes(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
@@ -78,16 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--seed", type=int, default=0)
     demo_parser.add_argument("--output-dir", default="out/demo", metavar="DIR", help="default out/demo")
     demo_parser.add_argument("--no-progress", action="store_true")
-    train_parser = commands.add_parser("train", help="fine-tune a model on a job's results")
-    stages = train_parser.add_subparsers(dest="stage", required=True)
-    sft_parser = stages.add_parser(
-        "sft",
-        help="supervised fine-tuning on the chosen responses of a results JSONL",
-        description="Keys: the fields of jaxsr.training.SFTConfig. Prints the fine-tuned model's directory.",
+    train_parser = commands.add_parser(
+        "train", help="fine-tune a model on a job's results, or distil a draft"
     )
-    sft_parser.add_argument("config")
-    sft_parser.add_argument("overrides", nargs="*", metavar="key=value")
-    sft_parser.add_argument("--no-progress", action="store_true")
+    stages = train_parser.add_subparsers(dest="stage", required=True)
+    for stage, (_, _, what, config_class, prints) in TRAINERS.items():
+        stage_parser = stages.add_parser(
+            stage,
+            help=what,
+            description=f"Keys: the fields of jaxsr.training.{config_class}. Prints {prints}.",
+        )
+        stage_parser.add_argument("config")
+        stage_parser.add_argument("overrides", nargs="*", metavar="key=value")
+        stage_parser.add_argument("--no-progress", action="store_true")
     args, extra = parser.parse_known_args(argv)
     unknown = [i for i in extra if args.command == "demo" or "=" not in i or i.startswith("-")]
     if unknown:
@@ -102,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 join_processes(args.coordinator, args.num_processes, args.process_id)
             print(run(args.config, args.overrides, progress=not args.no_progress))
         elif args.command == "train":
-            print(sft(load_sft_config(args.config, args.overrides), progress=not args.no_progress))
+            load, train = TRAINERS[args.stage][:2]
+            print(train(load(args.config, args.overrides), progress=not args.no_progress))
         else:
             run_demo(
                 args.output_dir, prompts=args.prompts, max_new_tokens=args.max_new_tokens, ns=args.n,

@@ -101,6 +101,11 @@ class PlainSampling(Method):
         return logits[0]
 
     def step(self, graphs, params, state, prompts, contrast, pause_at):
+        return self.advance(graphs, params, state, prompts, contrast, pause_at)[0]
+
+    def advance(self, graphs, params, state, prompts, contrast, pause_at):
+        """`step`, also returning each model's logits [B, V] at the position it sampled from (what a
+        caller may record beside the tokens, e.g. a teacher's distribution for distillation)."""
         active = state.active(pause_at)
         index, last = state.last_tokens()
         outputs = [
@@ -111,9 +116,10 @@ class PlainSampling(Method):
         tokens = draw(keys_of(state), self.scores(logits, contrast), self.sampling)
         state = record(state, tokens, token_logprob(logits[0], tokens), active)
         state = state.with_rows(tuple(rows for _, rows in outputs))
-        return state.replace(
+        state = state.replace(
             steps=state.steps + 1, forwards=state.forwards + 1, target_calls=state.target_calls + active
         )
+        return state, logits
 
 
 @dataclasses.dataclass(frozen=True)
