@@ -42,10 +42,10 @@ CONTRAST = make_contrast(alpha=0.1, beta=0.5)
 EOS = 5
 
 
-def contextual_model(seed: int) -> Model:
+def contextual_model(seed: int, **overrides) -> Model:
     """A tiny random decoder whose attention output is scaled up: random models are otherwise nearly
     bigram models, blind to the cache and positions whose handling these tests must check."""
-    module = Decoder(tiny_config(**SMALL), rngs=nnx.Rngs(seed))
+    module = Decoder(tiny_config(**SMALL | overrides), rngs=nnx.Rngs(seed))
     module.lm_head[...] = module.lm_head[...] * 15.0
     for block in module.blocks:
         attn = block.attn
@@ -96,10 +96,14 @@ def decoder(kind: str, gamma: int, sampling: SamplingConfig) -> Sampler:
 
 @functools.cache
 def decode(kind: str, gamma: int, comp: str, permuted: bool = False):
+    """`run` of the `kind` decoder of `models()`."""
+    return run(decoder(kind, gamma, COMPOSITIONS[comp]["sampling"]), comp, permuted)
+
+
+def run(d: Sampler, comp: str, permuted: bool = False):
     """Run the jitted core on one batch of 10^5 rows: per row (prompt index, sample id, tokens,
     length, accepted). `permuted` reverses the prompts' order and the sample ids within each prompt."""
     c = COMPOSITIONS[comp]
-    d = decoder(kind, gamma, c["sampling"])
     order = list(range(len(c["prompts"])))[:: -1 if permuted else 1]
     prompts, G = [c["prompts"][i] for i in order], c["G"]
     sample_ids = np.tile(np.arange(G)[:: -1 if permuted else 1], len(prompts))
