@@ -250,6 +250,14 @@ def test_a_subset_head_draft(teacher_dir, prompt_sets, tmp_path):
     assert len(out[0].samples[0].token_ids) > 0
     history = json.loads((tmp_path / "distill.json").read_text())["history"]
     assert 0 < history[-1]["lambda"] <= 1
+    results = tmp_path / "results.jsonl"
+    sample = {"text": "fine", "score": 1.0, "finished": True}
+    results.write_text(json.dumps({"prompt": "Hi?", "samples": [sample], "best": sample}) + "\n")
+    sft_config = jaxsr.training.SFTConfig(
+        model=str(final), data=str(results), output_dir=str(tmp_path / "sft")
+    )
+    with pytest.raises(ValueError, match=r"model: .* scores only 64 of its 259 ids"):
+        jaxsr.training.sft(sft_config, progress=False)
 
 
 # -- configs and CLI -------------------------------------------------------------------------------

@@ -112,8 +112,8 @@ class Run:
     """The `jaxsr.Model` trained (its graph, params and mesh)."""
     loss: Loss
     batch: Callable[[int], dict[str, np.ndarray]]
-    """The host batch of step `step` (0-based): a pure function of the step, so a resumed run reads
-    the batches an uninterrupted one does."""
+    """The host batch of step `step` (0-based; `tokens`, `mask`, `targets` and whatever the loss reads):
+    a pure function of the step, so a resumed run reads the batches an uninterrupted one does."""
     examples: int
     """How many examples the batches are drawn from (a resumed run must see the same data)."""
     checkpoints: Path
@@ -125,7 +125,8 @@ class Run:
 
 def train(run: Run) -> tuple[nnx.State, list[dict[str, Any]]]:
     """Train `run.model` for `run.config.steps` steps, resuming from the newest checkpoint; returns the
-    final float32 parameters and the history (step, loss, tokens seen, evaluations) of every checkpoint."""
+    final float32 parameters and the history of every checkpoint: step, loss, `tokens` (target tokens
+    trained on so far) and the evaluations."""
     config, model = run.config, run.model
     optimizer = make_optimizer(config)
     train_step = make_train_step(model.graph, optimizer, config.param_dtype, run.loss)
@@ -156,7 +157,7 @@ def train(run: Run) -> tuple[nnx.State, list[dict[str, Any]]]:
                 batch = run.batch(step)
                 params, opt_state, metrics = train_step(*state, place_batch(model.mesh, batch))
                 state, step = (params, opt_state), step + 1
-                tokens += int(batch["mask"].sum())
+                tokens += int(batch["targets"].sum())  # the tokens the loss is taken on
                 # the previous step's loss is read once this one is queued, so the host prepares the
                 # next batch while the device works instead of waiting on every step
                 if shown is not None:

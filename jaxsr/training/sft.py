@@ -158,6 +158,11 @@ def sft(config: SFTConfig, *, progress: bool = True) -> Path:
     with holding(output / "sft"):
         mesh = job_mesh(config)
         model = resolve_model(config.model, "float32", mesh)
+        if model.config.head_token_ids is not None:  # its loss would be infinite at any other id
+            raise ValueError(
+                f"model: {config.model} scores only {model.config.head_size} of its "
+                f"{model.config.vocab_size} ids (a distilled draft); fine-tuning needs a full output layer"
+            )
         examples = tokenize_examples(model, pairs, chat=config.chat, max_length=config.max_length)
         if not examples:
             raise ValueError(f"data: {config.data}: no selected response fits max_length={config.max_length}")
