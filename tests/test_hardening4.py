@@ -1,0 +1,137 @@
+"""Issue 15, fourth round: NumPy scalars as numbers, chat templates bounded in work, hub ids offline,
+one-line CLI usage errors, and a parameter cache that never serves a different config."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+import jaxsr
+from jaxsr.rewards import SelfLikelihood
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model(seed=1, eos_token_ids=(63,))
+
+
+NUMPY_NUMBERS = [np.float32(0.7), np.float16(0.5), np.int64(3), np.int32(2), np.uint8(1)]
+
+
+def test_sampling_config_takes_numpy_scalars_as_their_python_twins():
+    config = jaxsr.SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(50), top_p=np.float64(0.9))
+    assert config == jaxsr.SamplingConfig(temperature=0.5, top_k=50, top_p=0.9)
+    assert hash(config) == hash(jaxsr.SamplingConfig(temperature=0.5, top_k=50, top_p=0.9))
+    assert type(config.temperature) is float and type(config.top_k) is int and type(config.top_p) is float
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"temperature": np.bool_(True)}, TypeError, "temperature"),
+        ({"temperature": True}, TypeError, "temperature"),
+        ({"top_k": np.bool_(False)}, TypeError, "top_k"),
+        ({"top_k": np.float32(5.0)}, TypeError, "top_k"),
+        ({"top_p": np.float32("nan")}, ValueError, "top_p"),
+        ({"temperature": np.float64("inf")}, ValueError, "temperature"),
+        ({"top_k": np.int64(-1)}, ValueError, "top_k"),
+    ],
+)
+def test_sampling_config_still_refuses_numpy_bools_and_bad_values(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        jaxsr.SamplingConfig(**kwargs)
+
+
+def test_entry_points_take_numpy_numbers_alike(lm):
+    """The numbers of every entry point go through jaxsr.checks: NumPy ints/floats behave as Python's."""
+    sampling = jaxsr.SamplingConfig(temperature=np.float32(1.0), top_k=np.int64(0))
+    plain = jaxsr.generate(
+        lm, [[1, 2, 3]], max_new_tokens=4, num_samples=2, seed=5, sampling=jaxsr.SamplingConfig(top_k=0)
+    )
+    numpy = jaxsr.generate(
+        lm, [[np.int64(1), 2, 3]], max_new_tokens=np.int32(4), num_samples=np.int64(2), seed=np.uint32(5),
+        sampling=sampling, max_rows=np.int64(8), prompt_offset=np.int64(0), stop_token_ids=[np.int64(63)],
+    )  # fmt: skip
+    assert [s.token_ids for s in numpy[0].samples] == [s.token_ids for s in plain[0].samples]
+    reward = SelfLikelihood()
+    bon = jaxsr.best_of_n(
+        lm, reward, [[1, 2]], n=np.int64(2), max_new_tokens=np.int64(4), memory_budget=np.int64(64)
+    )
+    sr = jaxsr.speculative_rejection(
+        lm, reward, [[1, 2]], n=np.int64(2), rejection_rate=np.float32(0.0), max_new_tokens=4,
+        memory_budget=np.int64(64), min_keep=np.int64(1), min_first_segment=np.int64(4),
+        min_prompt_bucket=np.int64(16), concurrent_prompts=np.int64(1),
+    )  # fmt: skip
+    assert [s.token_ids for s in sr[0].samples] == [s.token_ids for s in bon[0].samples]
+    draft = tiny_model(seed=2, eos_token_ids=(63,))
+    jaxsr.speculative_decoder(lm, draft, gamma=np.int64(2))
+    jaxsr.contrastive_decoder(lm, draft, alpha=np.float32(0.1), beta=np.float16(0.5), tau=np.int64(1))
+
+
+@pytest.mark.parametrize("value", [np.bool_(True), True])
+def test_entry_points_refuse_bools_for_numbers(lm, value):
+    with pytest.raises(TypeError, match="num_samples"):
+        jaxsr.generate(lm, [[1, 2]], max_new_tokens=4, num_samples=value)
+    with pytest.raises(TypeError, match="rejection_rate"):
+        jaxsr.speculative_rejection(lm, SelfLikelihood(), [[1]], rejection_rate=value, max_new_tokens=4)
+    with pytest.raises(TypeError, match="memory_budget"):
+        jaxsr.best_of_n(lm, SelfLikelihood(), [[1]], n=2, max_new_tokens=4, memory_budget=value)
+
+
+def test_config_files_take_numpy_numbers_as_python_ones(tmp_path):
+    from jaxsr.training import SFTConfig
+
+    config = SFTConfig(
+        model="smollm2", data=str(tmp_path / "d.jsonl"), output_dir=str(tmp_path / "o"),
+        learning_rate=np.float32(1e-4), seed=np.int64(3),
+    )  # fmt: skip
+    assert type(config.learning_rate) is float and type(config.seed) is int
+    with pytest.raises(ValueError, match="seed"):
+        SFTConfig(model="smollm2", data="d", output_dir="o", seed=np.bool_(True))
+
+
+@pytest.fixture
+def cached_checkpoint(tmp_path, tmp_path_factory, monkeypatch):
+    """A private tiny llama checkpoint, with the parameter cache on for it (under tmp_path)."""
+    import hf_fixtures as H
+
+    from jaxsr.loading import param_cache
+
+    monkeypatch.setenv("JAXSR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(param_cache, "MIN_DIRECTORY_BYTES", 0)
+    return H.copy_checkpoint(H.checkpoint("llama2", tmp_path_factory)[0], tmp_path / "llama2")
+
+
+def _rewrite_keeping_size_and_mtime(path, old: str, new: str) -> None:
+    """Edit `path` so that only its content differs: same size, same mtime (as `cp -p` or a fast edit)."""
+    stat, text = path.stat(), path.read_text()
+    assert old in text and len(old) == len(new)
+    path.write_text(text.replace(old, new))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_param_cache_misses_when_config_json_changes_in_content_only(cached_checkpoint):
+    config = cached_checkpoint / "config.json"
+    json_text = config.read_text()
+    old = json.dumps({"rms_norm_eps": json.loads(json_text)["rms_norm_eps"]})[1:-1]
+    assert old in json_text, old
+    first = jaxsr.load_model(cached_checkpoint)
+    _rewrite_keeping_size_and_mtime(config, old, old.replace("1e-05", "3e-05"))
+    second = jaxsr.load_model(cached_checkpoint)
+    assert (first.config.norm_eps, second.config.norm_eps) == (1e-5, 3e-5)
+
+
+def test_param_cache_never_serves_an_edited_entry_config(cached_checkpoint, tmp_path):
+    reference = jaxsr.load_model(cached_checkpoint, cache=False)
+    jaxsr.load_model(cached_checkpoint)
+    (meta,) = (tmp_path / "cache").glob("*/meta.json")
+    record = json.loads(meta.read_text())
+    record["hf_config"]["rope_theta"] = 123.0  # a valid config, just not the source's
+    meta.write_text(json.dumps(record))
+    with pytest.warns(UserWarning, match="rebuilding the parameter cache.*edited"):
+        rebuilt = jaxsr.load_model(cached_checkpoint)
+    assert rebuilt.config == reference.config
