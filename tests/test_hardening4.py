@@ -383,3 +383,23 @@ def test_a_runaway_template_is_refused_quickly_naming_the_tokenizer(tokenizers, 
     assert isinstance(error.value.__context__, chat_template.TemplateOverBudget | OverflowError | None)
     assert time.perf_counter() - started < 6  # (~2 s at most on a loaded CPU: loops of 100 000 turns)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 2**20  # KiB: under 1 GiB more
+
+
+def test_load_model_refuses_an_empty_source_and_a_revision_that_is_not_text(monkeypatch):
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda *a, **k: pytest.fail("asked the hub"))
+    with pytest.raises(ValueError, match="source: expected a path or a hub id, got ''"):
+        jaxsr.load_model("")  # (Path("") is the working directory)
+    with pytest.raises(TypeError, match="revision: expected a branch, tag or commit"):
+        jaxsr.load_model("someorg/some-model", revision=3)
+
+
+@pytest.mark.parametrize("field", ["learning_rate", "weight_decay", "max_grad_norm", "threshold"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), np.float32("-inf")])
+def test_config_float_fields_must_be_finite(field, value):
+    from jaxsr.jobs.config import load_job_config
+    from jaxsr.training import SFTConfig
+
+    with pytest.raises(ValueError, match=f"{field}: expected a finite number"):
+        SFTConfig(data="d.jsonl", **{field: value})
+    with pytest.raises(ValueError, match="temperature: expected a finite number"):
+        load_job_config(None, ["temperature=.inf"])

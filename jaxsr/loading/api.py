@@ -42,6 +42,10 @@ def resolve_source(source: str | Path, revision: str | None = None) -> Path:
     """A local directory or .gguf file as is; anything else is treated as a hub id and downloaded."""
     if not isinstance(source, str | os.PathLike):
         raise TypeError(f"source: expected a path or a hub id, got {type(source).__name__}")
+    if not str(source).strip():
+        raise ValueError(f"source: expected a path or a hub id, got {str(source)!r}")
+    if revision is not None and not isinstance(revision, str):
+        raise TypeError(f"revision: expected a branch, tag or commit (a str) or None, got {revision!r}")
     path = Path(source).expanduser()
     if path.exists():
         return path
