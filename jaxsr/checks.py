@@ -11,12 +11,29 @@ import jax
 import numpy as np
 
 
-def check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+def is_int(value: Any) -> bool:
+    """Whether `value` is an integer the API takes: a Python or NumPy int, not a bool (True is not 1)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def is_real(value: Any) -> bool:
+    """Whether `value` is a real number the API takes: an int as `is_int` says, or a Python or NumPy
+    float (a NumPy scalar from a user's array counts as its Python twin)."""
+    return is_int(value) or isinstance(value, float | np.floating)
+
+
+def check_int(name: str, value: Any) -> int:
+    """`value` as a Python int (see `is_int`)."""
+    if not is_int(value):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    return int(value)
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    value = check_int(name, value)
     if value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value}")
-    return int(value)
+    return value
 
 
 def check_unicode(name: str, text: str) -> str:
@@ -29,14 +46,14 @@ def check_unicode(name: str, text: str) -> str:
 
 
 def check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**32:
+    if not is_int(seed) or not 0 <= seed < 2**32:
         raise TypeError(f"seed: expected an int in [0, 2**32), got {seed!r}")
     return int(seed)
 
 
 def check_number(name: str, value: Any) -> float:
-    """A finite int or float."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """`value` as a finite Python float (see `is_real`)."""
+    if not is_real(value):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     try:
         number = float(value)

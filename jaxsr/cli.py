@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
 import jax
 
@@ -44,13 +45,26 @@ def use_compilation_cache() -> None:
         jax.config.update("jax_compilation_cache_dir", str(Path.home() / ".cache" / "jaxsr" / "xla"))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, its usage errors one line naming the bad argument (not the usage block), exit code 2;
+    subcommands' parsers are of this class too (`add_subparsers` makes them so)."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        if kwargs.get("nargs") == "*":  # else argparse lists `key=value` among the missing arguments
+            kwargs.setdefault("default", [])
+        return super().add_argument(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def run(config_path: str | None, overrides: list[str], progress: bool = True) -> Path:
     config = load_job_config(config_path, overrides)
     return run_job(config, build_solver, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxsr", description=__doc__)
+    parser = _Parser(prog="jaxsr", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="run a job from a YAML config")
     run_parser.add_argument("config")

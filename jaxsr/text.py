@@ -4,61 +4,27 @@ and left padding of id lists into fixed-shape arrays."""
 from __future__ import annotations
 
 import functools
-import sys
-from types import FrameType
 from typing import Any
 
 import numpy as np
 
-TEMPLATE_LINE_BUDGET = 2_000_000
-"""Lines of a chat template's compiled code one rendering may run (a normal template runs thousands):
-a template that loops without end is stopped with an error instead of hanging the job."""
+from jaxsr import chat_template
 
 
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-class _TemplateBudget:
-    """A trace function that counts the lines jinja-compiled template code runs, and stops it past a
-    budget. Only template frames are traced line by line; every other frame runs untraced."""
-
-    def __init__(self, lines: int):
-        self.left = lines
-
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
-        return self.line if frame.f_code.co_filename == "<template>" else None
-
-    def line(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line":
-            self.left -= 1
-            if self.left < 0:
-                raise _TemplateOverBudget
-        return self.line
-
-
-class _TemplateOverBudget(Exception):
-    pass
-
-
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
-    """The conversation as text, in the tokenizer's chat template (rendered by transformers in jinja's
-    sandbox, here also bounded in work); a template that fails or runs away raises ValueError."""
-    previous = sys.gettrace()
-    sys.settrace(_TemplateBudget(TEMPLATE_LINE_BUDGET))
+    """The conversation as text, in the tokenizer's chat template (rendered as transformers renders it,
+    in jinja's sandbox bounded in work: `jaxsr.chat_template`); a template that fails or runs away
+    raises ValueError naming the tokenizer."""
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-    except _TemplateOverBudget:
-        raise ValueError(
-            f"chat template of {_name(tokenizer)}: still rendering after {TEMPLATE_LINE_BUDGET} template "
-            "lines; it loops without end (or nearly)"
-        ) from None
+        text = chat_template.render(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    except chat_template.TemplateOverBudget as e:
+        raise ValueError(f"chat template of {_name(tokenizer)}: {e}") from None
     except Exception as e:  # jinja's TemplateError, or whatever the template's own code raised
         raise ValueError(f"chat template of {_name(tokenizer)}: {type(e).__name__}: {e}") from e
-    finally:
-        sys.settrace(previous)
     if not isinstance(text, str):
         raise ValueError(f"chat template of {_name(tokenizer)}: rendered a {type(text).__name__}, not text")
     return text

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from jaxsr import text
-from jaxsr.checks import check_positive_int, check_seed, check_unicode
+from jaxsr.checks import check_int, check_positive_int, check_seed, check_unicode, is_int
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.model import Model
 
@@ -140,9 +140,7 @@ def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> l
                 )
         elif isinstance(prompt, bytes | bytearray):
             raise TypeError(f"prompts[{i}]: expected a string or a list of ints, got bytes (decode it first)")
-        elif isinstance(prompt, Sequence) and all(
-            isinstance(t, int | np.integer) and not isinstance(t, bool | np.bool_) for t in prompt
-        ):
+        elif isinstance(prompt, Sequence) and all(is_int(t) for t in prompt):
             if len(prompt) == 0:
                 raise ValueError(f"prompts[{i}]: empty prompt")
             ids = [int(t) for t in prompt]
@@ -174,10 +172,9 @@ def check_row_ids(model: Model, stop_token_ids: Any, prompt_offset: Any) -> tupl
         raise TypeError(f"stop_token_ids: expected a sequence of token ids, got {stop_token_ids!r}")
     vocab = model.config.vocab_size
     for i in stop_token_ids:
-        if isinstance(i, bool) or not isinstance(i, int | np.integer) or not 0 <= i < vocab:
+        if not is_int(i) or not 0 <= i < vocab:
             raise ValueError(f"stop_token_ids: expected token ids in [0, {vocab}), got {i!r}")
-    if isinstance(prompt_offset, bool) or not isinstance(prompt_offset, int | np.integer):
-        raise TypeError(f"prompt_offset: expected an int, got {type(prompt_offset).__name__}")
+    prompt_offset = check_int("prompt_offset", prompt_offset)
     if not 0 <= prompt_offset < MAX_PROMPT_ID:
         raise ValueError(f"prompt_offset: expected an int in [0, 2**30), got {prompt_offset}")
     return [int(i) for i in stop_token_ids], int(prompt_offset)

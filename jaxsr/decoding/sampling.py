@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxsr.checks import check_number
+from jaxsr.checks import check_int, check_number
 from jaxsr.models.layers import MASKED
 
 MIN_TEMPERATURE = 1e-4
@@ -28,18 +28,20 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if check_number("temperature", self.temperature) < 0:
+        # NumPy scalars become their Python twins: equal configs then hash alike for jit
+        object.__setattr__(self, "temperature", check_number("temperature", self.temperature))
+        object.__setattr__(self, "top_k", check_int("top_k", self.top_k))
+        object.__setattr__(self, "top_p", check_number("top_p", self.top_p))
+        if self.temperature < 0:
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(
                 f"temperature: {self.temperature} is too small to divide float32 logits by (the floor is "
                 f"{MIN_TEMPERATURE}); use temperature=0 for greedy decoding"
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise TypeError(f"top_k: expected an int, got {type(self.top_k).__name__}")
         if self.top_k < 0:
             raise ValueError(f"top_k: expected >= 0 (0 disables it), got {self.top_k}")
-        if not (0.0 < check_number("top_p", self.top_p) <= 1.0):
+        if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
 
     @property

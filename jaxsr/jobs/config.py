@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from jaxsr.checks import check_number, is_int, is_real
 from jaxsr.loading.files import MissingFileError
 
 C = TypeVar("C")
@@ -151,14 +152,18 @@ def content_fingerprint(config: Any, placement_keys: tuple[str, ...]) -> str:
 
 def check_field_types(config: Any) -> None:
     """Refuse (ValueError naming the key) a field of the config dataclass whose value is not of its
-    annotated type; ints given for float fields become floats (1 and 1.0 are the same config). Checks
-    the seed's range too, which every config has."""
+    annotated type; NumPy numbers become Python ones, ints given for float fields floats (see
+    `jaxsr.checks.is_real`), and a float field must be finite. Checks the seed's range too, which every
+    config has."""
     hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
         allowed = typing.get_args(hints[field.name]) or (hints[field.name],)
-        if float in allowed and isinstance(value, int) and not isinstance(value, bool):
-            setattr(config, field.name, float(value))
+        if float in allowed and is_real(value):
+            setattr(config, field.name, check_number(field.name, value))  # no field means NaN or inf
+            continue
+        if int in allowed and is_int(value):
+            setattr(config, field.name, int(value))
             continue
         if not any(_is_instance(value, t) for t in allowed):
             names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
@@ -176,9 +181,7 @@ def check_mesh_keys(config: Any) -> None:
 
 
 def _is_instance(value: Any, kind: type) -> bool:
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, kind)
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
 class _PlainLoader(yaml.SafeLoader):

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxsr.checks import check_bool
+from jaxsr.checks import check_bool, check_int
 from jaxsr.loading import param_cache
 from jaxsr.loading.files import CheckpointError, MissingFileError, read_json, with_file
 from jaxsr.loading.hf_config import decoder_config_from_hf, hf_config_from_decoder
@@ -42,6 +42,10 @@ def resolve_source(source: str | Path, revision: str | None = None) -> Path:
     """A local directory or .gguf file as is; anything else is treated as a hub id and downloaded."""
     if not isinstance(source, str | os.PathLike):
         raise TypeError(f"source: expected a path or a hub id, got {type(source).__name__}")
+    if not str(source).strip():
+        raise ValueError(f"source: expected a path or a hub id, got {str(source)!r}")
+    if revision is not None and not isinstance(revision, str):
+        raise TypeError(f"revision: expected a branch, tag or commit (a str) or None, got {revision!r}")
     path = Path(source).expanduser()
     if path.exists():
         return path
@@ -277,8 +281,7 @@ def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None 
     if not isinstance(directory, str | os.PathLike):
         raise TypeError(f"directory: expected a path, got {type(directory).__name__}")
     if pad_token_id is not None:
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int | np.integer):
-            raise TypeError(f"pad_token_id: expected an int or None, got {type(pad_token_id).__name__}")
+        pad_token_id = check_int("pad_token_id", pad_token_id)
         if not 0 <= pad_token_id < model.config.vocab_size:
             raise ValueError(
                 f"pad_token_id: expected an id in [0, {model.config.vocab_size}), got {pad_token_id}"

@@ -3,7 +3,10 @@
 An entry holds the arrays `convert_hf_tensors` returned (in their own dtype, before the cast to the load
 dtype, so one entry serves every dtype), the Hugging Face config, and for GGUF sources the tokenizer
 (building it from a GGUF takes seconds). Entries are keyed on the source files' absolute paths, sizes and
-mtimes plus `FORMAT_VERSION`, so a changed source misses its old entry (which is then replaced).
+mtimes, the contents of its JSON files (a config edited within the same second and size, or copied
+with its mtime, still misses) plus `FORMAT_VERSION`, so a changed source misses its old entry (which
+is then replaced). An entry's meta.json carries a digest of the config and layout it stores: an edited
+one is damaged, never served.
 
 An entry is written into a temporary directory and renamed into place, so a killed process never leaves
 a half-written entry under a real name; an entry that cannot be read is deleted and rebuilt. Restoring
@@ -67,8 +70,21 @@ def _source_files(source: Path) -> list[Path]:
 
 
 def _fingerprint(source: Path) -> list[list[Any]]:
+    """[path, size, mtime, content digest (JSON files only: small, and read by every load anyway)]."""
     stats = [(p.resolve(), p.stat()) for p in _source_files(source)]
-    return [[str(path), st.st_size, st.st_mtime_ns] for path, st in stats]
+    return [
+        [str(path), st.st_size, st.st_mtime_ns, _file_digest(path) if path.suffix == ".json" else None]
+        for path, st in stats
+    ]
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _meta_digest(hf_config: Any, arrays: Any) -> str:
+    """What a meta.json's `digest` field must be for the config and array layout it holds."""
+    return _digest([hf_config, arrays], 64)
 
 
 def _digest(value: Any, n: int) -> str:
@@ -87,7 +103,7 @@ def entry_path(source: Path) -> Path | None:
     if root is None:
         return None
     fingerprint = _fingerprint(source)
-    if source.is_dir() and sum(size for _, size, _ in fingerprint) < MIN_DIRECTORY_BYTES:
+    if source.is_dir() and sum(size for _, size, *_ in fingerprint) < MIN_DIRECTORY_BYTES:
         return None
     return root / (_entry_prefix(source) + _digest([FORMAT_VERSION, fingerprint], 16))
 
@@ -171,6 +187,8 @@ def lookup(source: Path) -> CacheEntry | None:
         meta = json.loads((path / "meta.json").read_text())
         if meta["format"] != FORMAT_VERSION or meta["fingerprint"] != _fingerprint(source):
             raise ValueError("stale entry")
+        if meta["digest"] != _meta_digest(meta["hf_config"], meta["arrays"]):
+            raise ValueError("its config or layout was edited")
         arrays = {name: ([int(n) for n in a["shape"]], str(a["dtype"])) for name, a in meta["arrays"].items()}
         return CacheEntry(path, dict(meta["hf_config"]), arrays)
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
@@ -246,16 +264,19 @@ def store(
         ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)).save(tmp / "params", tree)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        layout = {
+            path_name(path): {"shape": list(np.shape(a)), "dtype": np.asarray(a).dtype.name}
+            for path, a in arrays.items()
+        }
         meta = {
             "format": FORMAT_VERSION,
             "source": str(source.resolve()),
             "fingerprint": _fingerprint(source),
             "hf_config": hf_config,
-            "arrays": {
-                path_name(path): {"shape": list(np.shape(a)), "dtype": np.asarray(a).dtype.name}
-                for path, a in arrays.items()
-            },
+            "arrays": layout,
         }
+        meta = json.loads(json.dumps(meta))  # the digest is of what lookup will read back
+        meta["digest"] = _meta_digest(meta["hf_config"], meta["arrays"])
         (tmp / "meta.json").write_text(json.dumps(meta))
         for stale in root.glob(_entry_prefix(source) + "*"):
             if stale != final:

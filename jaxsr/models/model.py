@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxsr.checks import is_int
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 from jaxsr.sharding import place_rows
@@ -52,7 +53,7 @@ def _python_ints(value: Any, array: np.ndarray) -> np.ndarray | None:
     if objects.shape != array.shape:
         return None
     flat = objects.ravel().tolist()
-    if all(isinstance(i, int | np.integer) and not isinstance(i, bool | np.bool_) for i in flat):
+    if all(is_int(i) for i in flat):
         return objects
     return None
 

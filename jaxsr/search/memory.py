@@ -5,10 +5,9 @@ from __future__ import annotations
 import re
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
-from jaxsr.checks import available_bytes, device_free_bytes, format_bytes
+from jaxsr.checks import available_bytes, device_free_bytes, format_bytes, is_int
 
 _UNITS = {
     "": 1,
@@ -62,9 +61,7 @@ def budget_slots(
                 "give token slots (int) or bytes ('2GiB')"
             )
         slots = fallback_slots
-    elif isinstance(memory_budget, bool):
-        raise TypeError("memory_budget: expected an int (token slots), a size string or None")
-    elif isinstance(memory_budget, int | np.integer):
+    elif is_int(memory_budget):
         if not 1 <= memory_budget < MAX_BYTES:
             shown = str(memory_budget)[:24]
             raise ValueError(f"memory_budget: expected a slot count in [1, 2**62), got {shown}")

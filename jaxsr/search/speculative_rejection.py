@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsr.checks import check_positive_int
+from jaxsr.checks import check_positive_int, is_int, is_real
 from jaxsr.decoding.driver import Sampler, as_sampler, raw_samples, row_inputs
 from jaxsr.decoding.inputs import Request, check_sampling, prepare
 from jaxsr.decoding.sampling import SamplingConfig
@@ -125,7 +125,7 @@ def decide(
 
 
 def check_rejection_rate(rejection_rate: Any) -> float:
-    if isinstance(rejection_rate, bool) or not isinstance(rejection_rate, int | float):
+    if not is_real(rejection_rate):
         raise TypeError(f"rejection_rate: expected a float in [0, 1), got {type(rejection_rate).__name__}")
     if not 0 <= rejection_rate < 1:
         raise ValueError(f"rejection_rate: expected a value in [0, 1), got {rejection_rate}")
@@ -218,7 +218,7 @@ class SearchConfig:
     ) -> SearchConfig:
         if not isinstance(rule, str) or rule not in ("keep_fraction", "quantile"):
             raise ValueError(f"rule: expected 'keep_fraction' or 'quantile', got {rule!r}")
-        if not isinstance(min_keep, int | np.integer) or isinstance(min_keep, bool) or min_keep not in (0, 1):
+        if not is_int(min_keep) or min_keep not in (0, 1):
             raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {min_keep!r}")
         if decision_interval is not None:
             decision_interval = check_positive_int("decision_interval", decision_interval)

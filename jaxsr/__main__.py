@@ -1,0 +1,7 @@
+"""`python -m jaxsr`: the `jaxsr` command."""
+
+import sys
+
+from jaxsr.cli import main
+
+sys.exit(main())
