@@ -524,6 +524,10 @@ def distill(config: DistillConfig, *, progress: bool = True) -> Path:
     with holding(output / "distill"):
         mesh = job_mesh(config)
         teacher = resolve_model(config.teacher, "float32", mesh, key="teacher")
+        if config.max_length > teacher.config.context:
+            raise ValueError(
+                f"max_length: {config.max_length} exceeds the teacher's context of {teacher.config.context}"
+            )
         walls: dict[str, float] = {}
         t0 = time.perf_counter()
         data = output / "data"

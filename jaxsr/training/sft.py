@@ -158,6 +158,10 @@ def sft(config: SFTConfig, *, progress: bool = True) -> Path:
     with holding(output / "sft"):
         mesh = job_mesh(config)
         model = resolve_model(config.model, "float32", mesh)
+        if config.max_length > model.config.context:
+            raise ValueError(
+                f"max_length: {config.max_length} exceeds the model's context of {model.config.context}"
+            )
         if model.config.head_token_ids is not None:  # its loss would be infinite at any other id
             raise ValueError(
                 f"model: {config.model} scores only {model.config.head_size} of its "
