@@ -298,12 +298,6 @@ def test_a_max_length_no_prompt_fits_under_is_refused_before_sampling(teacher_di
     assert not (tmp_path / "data").exists()
 
 
-def test_a_max_length_past_the_context_is_refused(teacher_dir, prompt_sets, tmp_path):
-    with pytest.raises(ValueError, match="max_length: 1000000000000 exceeds the teacher's context"):
-        distill(run_config(teacher_dir, prompt_sets, tmp_path, max_length=10**12), progress=False)
-    assert not (tmp_path / "data").exists()
-
-
 def test_prompts_left_after_the_heldout_set_are_required(prompt_sets, tmp_path):
     config = DistillConfig(prompts=prompt_sets[1], heldout=prompt_sets[1], output_dir=str(tmp_path / "o"))
     with pytest.raises(ValueError, match="prompts: no prompt"):

@@ -260,12 +260,6 @@ def test_data_that_gives_no_example_is_refused_before_the_model_loads(tmp_path, 
     assert not (tmp_path / "o").exists()
 
 
-def test_a_max_length_past_the_context_is_refused(checkpoint, results, tmp_path):
-    with pytest.raises(ValueError, match="max_length: 1000000000000 exceeds the model's context"):
-        sft(run_config(checkpoint, results, tmp_path, max_length=10**12), progress=False)
-    assert not (tmp_path / "checkpoints").exists()
-
-
 def test_the_cli_refuses_a_bad_config_in_one_line(tmp_path, capsys):
     config = tmp_path / "sft.yaml"
     config.write_text("data: results.jsonl\nlearning_rate: 0.0\n")

@@ -106,7 +106,8 @@ class DistillConfig:
     batch_size: int = 16
     grad_accum: int = 1
     max_length: int = 256
-    """Prompt + response tokens kept per training sequence (longer ones are cut at the end)."""
+    """Prompt + response tokens kept per training sequence (longer ones are cut at the end; never past
+    the teacher's context)."""
     steps: int = 300
     learning_rate: float = 3e-3
     end_learning_rate: float = 1.5e-4
@@ -524,18 +525,15 @@ def distill(config: DistillConfig, *, progress: bool = True) -> Path:
     with holding(output / "distill"):
         mesh = job_mesh(config)
         teacher = resolve_model(config.teacher, "float32", mesh, key="teacher")
-        if config.max_length > teacher.config.context:
-            raise ValueError(
-                f"max_length: {config.max_length} exceeds the teacher's context of {teacher.config.context}"
-            )
+        max_length = min(config.max_length, teacher.config.context)  # no sequence is longer than its context
         walls: dict[str, float] = {}
         t0 = time.perf_counter()
         data = output / "data"
         train_request = teacher_request(teacher, train_prompts, config, 0)
         held_request = teacher_request(teacher, held_prompts, config, len(train_prompts))
-        if min(map(len, train_request.encoded)) >= config.max_length:
+        if min(map(len, train_request.encoded)) >= max_length:
             raise ValueError(
-                f"max_length: every training prompt has at least {config.max_length} tokens, so no response "
+                f"max_length: every training prompt has at least {max_length} tokens, so no response "
                 "token would be trained on"
             )
         common = dict(config=config, progress=progress)
@@ -544,7 +542,7 @@ def distill(config: DistillConfig, *, progress: bool = True) -> Path:
             teacher, train_request, data, name="train", samples_per_prompt=config.samples_per_prompt, **common
         )
         walls["data_s"] = time.perf_counter() - t0
-        examples = read_chunks(train_paths, config.max_length)
+        examples = read_chunks(train_paths, max_length)
         held = read_chunks(held_paths, teacher.config.context)
         head_ids = None
         if config.head_tokens is not None and config.head_tokens < teacher.config.vocab_size:
@@ -566,7 +564,7 @@ def distill(config: DistillConfig, *, progress: bool = True) -> Path:
                     len(examples), config.seed, step * config.examples_per_step, config.examples_per_step
                 ),
                 config.grad_accum,
-                config.max_length,
+                max_length,
             ),
             examples=len(examples),
             checkpoints=output / "checkpoints",

@@ -51,7 +51,8 @@ class SFTConfig:
     chat: bool | None = None
     """Prompts through the model's chat template (None: when its tokenizer has one), as inference does."""
     max_length: int = 512
-    """Prompt + response tokens kept per example (longer ones are cut at the end)."""
+    """Prompt + response tokens kept per example (longer ones are cut at the end; never past the model's
+    context)."""
     batch_size: int = 8
     """Examples per micro-batch."""
     grad_accum: int = 1
@@ -134,11 +135,13 @@ def sft_loss(module: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
     return response_nll(module.logits(hidden), micro["tokens"], micro["targets"])
 
 
-def step_batch(examples: list[Example], config: SFTConfig, step: int) -> dict[str, np.ndarray]:
+def step_batch(
+    examples: list[Example], config: SFTConfig, step: int, max_length: int
+) -> dict[str, np.ndarray]:
     """The batch of step `step` (0-based): the next `examples_per_step` of the seed's example stream."""
     position = step * config.examples_per_step
     indices = stream_indices(len(examples), config.seed, position, config.examples_per_step)
-    return make_batch(examples, indices, config.grad_accum, config.max_length)
+    return make_batch(examples, indices, config.grad_accum, max_length)
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -158,23 +161,20 @@ def sft(config: SFTConfig, *, progress: bool = True) -> Path:
     with holding(output / "sft"):
         mesh = job_mesh(config)
         model = resolve_model(config.model, "float32", mesh)
-        if config.max_length > model.config.context:
-            raise ValueError(
-                f"max_length: {config.max_length} exceeds the model's context of {model.config.context}"
-            )
         if model.config.head_token_ids is not None:  # its loss would be infinite at any other id
             raise ValueError(
                 f"model: {config.model} scores only {model.config.head_size} of its "
                 f"{model.config.vocab_size} ids (a distilled draft); fine-tuning needs a full output layer"
             )
-        examples = tokenize_examples(model, pairs, chat=config.chat, max_length=config.max_length)
+        max_length = min(config.max_length, model.config.context)  # no example is longer than its context
+        examples = tokenize_examples(model, pairs, chat=config.chat, max_length=max_length)
         if not examples:
             raise ValueError(f"data: {config.data}: no selected response fits max_length={config.max_length}")
         run = Run(
             config=config,
             model=model,
             loss=sft_loss,
-            batch=lambda step: step_batch(examples, config, step),
+            batch=lambda step: step_batch(examples, config, step, max_length),
             examples=len(examples),
             checkpoints=output / "checkpoints",
             name="sft",
