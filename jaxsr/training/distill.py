@@ -50,13 +50,13 @@ from jaxsr.jobs.config import check_field_types, check_mesh_keys, content_finger
 from jaxsr.jobs.methods import job_mesh, resolve_model
 from jaxsr.jobs.runner import holding
 from jaxsr.ladder import bucket
-from jaxsr.loading.api import DTYPES, save_model
+from jaxsr.loading.api import save_model
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model
 from jaxsr.sharding import shard_model
 from jaxsr.training.data import Example, make_batch, stream_indices
-from jaxsr.training.loop import Batch, Run, train
+from jaxsr.training.loop import Batch, Run, check_run_keys, train
 
 PLACEMENT_KEYS = ("output_dir", "save_every", "mesh_data", "mesh_model", "measure_cost")
 """Where a run writes, how often it checkpoints, on which devices, whether it times the result."""
@@ -143,23 +143,9 @@ class DistillConfig:
                 f"num_kv_heads: {self.num_kv_heads} does not divide the "
                 f"{self.hidden_size // self.head_dim} attention heads"
             )
-        if self.max_length < 2:
-            raise ValueError(f"max_length: expected an int >= 2 (prompt + response), got {self.max_length}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate: expected a number > 0, got {self.learning_rate}")
-        if not 0 <= self.end_learning_rate <= self.learning_rate:
-            raise ValueError(
-                f"end_learning_rate: expected a number in [0, learning_rate], got {self.end_learning_rate}"
-            )
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps: expected an int in [0, steps), got {self.warmup_steps}")
-        for name in ("weight_decay", "tv_weight"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm: expected a number > 0, got {self.max_grad_norm}")
-        if self.param_dtype not in DTYPES:
-            raise ValueError(f"param_dtype: expected one of {DTYPES}, got {self.param_dtype!r}")
+        check_run_keys(self)
+        if not self.tv_weight >= 0:
+            raise ValueError(f"tv_weight: expected a number >= 0, got {self.tv_weight}")
         self.sampling()  # refuses a bad temperature / top_k / top_p now, naming it
 
     def sampling(self) -> SamplingConfig:

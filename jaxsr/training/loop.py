@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
+from jaxsr.loading.api import DTYPES
 from jaxsr.sharding import logical_to_spec, on_mesh
 from jaxsr.training.checkpoints import Checkpoints
 
@@ -39,6 +40,7 @@ class RunConfig(Protocol):
     """The fields of a training config the shared machinery reads."""
 
     steps: int
+    max_length: int
     learning_rate: float
     end_learning_rate: float
     warmup_steps: int
@@ -49,6 +51,26 @@ class RunConfig(Protocol):
     seed: int
 
     def fingerprint(self) -> str: ...
+
+
+def check_run_keys(config: RunConfig) -> None:
+    """Refuse (ValueError naming the key) the shared keys out of range: lengths, schedule, optimiser."""
+    if config.max_length < 2:
+        raise ValueError(f"max_length: expected an int >= 2 (prompt + response), got {config.max_length}")
+    if not config.learning_rate > 0:
+        raise ValueError(f"learning_rate: expected a number > 0, got {config.learning_rate}")
+    if not 0 <= config.end_learning_rate <= config.learning_rate:
+        raise ValueError(
+            f"end_learning_rate: expected a number in [0, learning_rate], got {config.end_learning_rate}"
+        )
+    if not 0 <= config.warmup_steps < config.steps:
+        raise ValueError(f"warmup_steps: expected an int in [0, steps), got {config.warmup_steps}")
+    if not config.weight_decay >= 0:
+        raise ValueError(f"weight_decay: expected a number >= 0, got {config.weight_decay}")
+    if not config.max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm: expected a number > 0, got {config.max_grad_norm}")
+    if config.param_dtype not in DTYPES:
+        raise ValueError(f"param_dtype: expected one of {DTYPES}, got {config.param_dtype!r}")
 
 
 def make_optimizer(config: RunConfig) -> optax.GradientTransformation:

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxsr.jobs.config import check_field_types, check_mesh_keys, content_fingerprint, load_config
 from jaxsr.jobs.methods import job_mesh, resolve_model
 from jaxsr.jobs.runner import holding
-from jaxsr.loading.api import DTYPES, save_model
+from jaxsr.loading.api import save_model
 from jaxsr.training.data import (
     SELECTIONS,
     Example,
@@ -27,7 +27,7 @@ from jaxsr.training.data import (
     stream_indices,
     tokenize_examples,
 )
-from jaxsr.training.loop import Batch, Run, train
+from jaxsr.training.loop import Batch, Run, check_run_keys, train
 
 PLACEMENT_KEYS = ("output_dir", "save_every", "mesh_data", "mesh_model")
 """Where a run writes, how often it checkpoints and on which devices: a run may resume with others."""
@@ -88,22 +88,7 @@ class SFTConfig:
         for name in POSITIVE_INTS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
-        if self.max_length < 2:
-            raise ValueError(f"max_length: expected an int >= 2 (prompt + response), got {self.max_length}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate: expected a number > 0, got {self.learning_rate}")
-        if not 0 <= self.end_learning_rate <= self.learning_rate:
-            raise ValueError(
-                f"end_learning_rate: expected a number in [0, learning_rate], got {self.end_learning_rate}"
-            )
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps: expected an int in [0, steps), got {self.warmup_steps}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay: expected a number >= 0, got {self.weight_decay}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm: expected a number > 0, got {self.max_grad_norm}")
-        if self.param_dtype not in DTYPES:
-            raise ValueError(f"param_dtype: expected one of {DTYPES}, got {self.param_dtype!r}")
+        check_run_keys(self)
 
     def fingerprint(self) -> str:
         """Identifies what the run computes (everything but where it writes and runs)."""
