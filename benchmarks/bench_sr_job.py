@@ -9,7 +9,7 @@ reward, and the paper's score with Best-of-8 as the base (100·(1 + mean over pr
 interpolated (log-linear in wall time) at the method's score ÷ the method's wall time.
 
     python -m benchmarks.bench_sr_job [--prompts 24] [--max-new-tokens 64] [--ns 8 16 32]
-        [--rate 0.5] [--concurrent 4 8] [--seed 0]
+        [--rates 0.3 0.5] [--concurrent 4 8] [--seed 0]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ns", type=int, nargs="+", default=[8, 16, 32])
-    parser.add_argument("--rate", type=float, default=0.5)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.3, 0.5])
     parser.add_argument("--concurrent", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="sr_job")
@@ -68,12 +68,11 @@ def main() -> None:
                 clock, lambda n=n: jaxsr.best_of_n(lm, reward, prompts, n=n, **common)
             )
             print(f"Best-of-{n}: {runs[f'Best-of-{n}'][1]:.1f} s", flush=True)
-        for concurrent in [1, *args.concurrent]:
-            name = f"SR α={args.rate}, {concurrent} prompt{'s' if concurrent > 1 else ''} in flight"
-            call = lambda c=concurrent: jaxsr.speculative_rejection(
-                lm, reward, prompts, rejection_rate=args.rate, memory_budget=budget, concurrent_prompts=c,
-                **common,
-            )  # fmt: skip
+        for rate, concurrent in itertools.product(args.rates, [1, *args.concurrent]):
+            name = f"SR α={rate}, {concurrent} prompt{'s' if concurrent > 1 else ''} in flight"
+            call = lambda r=rate, c=concurrent: jaxsr.speculative_rejection(
+                lm, reward, prompts, rejection_rate=r, memory_budget=budget, concurrent_prompts=c, **common
+            )
             runs[name] = timed(clock, call)
             print(f"{name}: {runs[name][1]:.1f} s", flush=True)
 
