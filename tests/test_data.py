@@ -17,7 +17,12 @@ def test_bundled_sets_are_found_by_name_from_any_directory(tmp_path, monkeypatch
     monkeypatch.delenv("JAXSR_DATA_DIR", raising=False)
     assert bundled_sets() == ["alpaca_farm_100", "alpaca_farm_eval", "alpaca_farm_rest", "hh_rlhf_100"]
     sizes = {name: len(read_prompts(name)) for name in bundled_sets()}
-    assert sizes == {"alpaca_farm_100": 100, "alpaca_farm_eval": 805, "alpaca_farm_rest": 704, "hh_rlhf_100": 100}
+    assert sizes == {
+        "alpaca_farm_100": 100,
+        "alpaca_farm_eval": 805,
+        "alpaca_farm_rest": 704,
+        "hh_rlhf_100": 100,
+    }
     assert find_dataset("hh_rlhf_100").parent == BUNDLED_DIR
     assert read_prompts("alpaca_farm_eval", limit=2)[0].startswith("What are the names of some famous actors")
     # the 100-prompt subset is drawn from the 805: every prompt is in the full set

@@ -562,6 +562,9 @@ def test_best_of_n_job(job):
     spec, records = read_jsonl(output)
     assert spec["config"]["method"] == "best_of_n" and spec["config"]["n"] == 4
     assert [r["index"] for r in records] == [0, 1]
+    # one call decodes both prompts' rows in one batch (each prompt's samples are the ones it gets alone:
+    # test_best_of_n_counts_every_prompt_cache_of_a_batch_in_the_budget)
+    assert [r["stats"]["batch_rows"] for r in records] == [8, 8]
     for record in records:
         assert len(record["samples"]) == 4
         check_best(record)

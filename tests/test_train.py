@@ -292,6 +292,12 @@ def test_the_loss_falls(checkpoint, trained):
     )
     print(f"mean response-token loss {initial:.3f} -> {tuned:.3f} after {config.steps} steps")
     assert tuned < 0.4 * initial
+    # the run's report: the training loss at every checkpoint, falling, and the data it was taken on
+    report = json.loads((final.parent / "sft.json").read_text())
+    steps = [entry["step"] for entry in report["history"]]
+    assert steps == list(range(config.save_every, config.steps + 1, config.save_every))
+    assert report["history"][-1]["loss"] < report["history"][0]["loss"]
+    assert report["data"]["examples"] == len(pairs) and report["data"]["response_tokens"] > 0
 
 
 @pytest.mark.slow

@@ -180,8 +180,7 @@ def build_solver(config: JobConfig) -> Solver:
 
     if config.method == "speculative_rejection":  # a call keeps `concurrent_prompts` searches in flight
         per_call = SEARCH_CALL_ROUNDS * config.concurrent_prompts
-    elif config.method == "best_of_n":
-        per_call = 1  # one prompt per call: a search fills the device with one prompt's rows
-    else:  # a call decodes as many prompts as fit one batch of DEFAULT_MAX_ROWS rows
-        per_call = max(1, DEFAULT_MAX_ROWS // check_positive_int("num_samples", config.num_samples))
+    else:  # a call decodes as many prompts' rows as one batch of DEFAULT_MAX_ROWS holds
+        key = "n" if config.method == "best_of_n" else "num_samples"
+        per_call = max(1, DEFAULT_MAX_ROWS // check_positive_int(key, getattr(config, key)))
     return Solver(solve, per_call, check)

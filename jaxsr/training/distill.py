@@ -24,12 +24,10 @@ has three stages, each resumable:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +54,7 @@ from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model
 from jaxsr.sharding import shard_model
 from jaxsr.training.data import Example, make_batch, stream_indices
-from jaxsr.training.loop import Batch, Run, check_run_keys, train
+from jaxsr.training.loop import Batch, Run, check_run_keys, train, write_report
 
 PLACEMENT_KEYS = ("output_dir", "save_every", "mesh_data", "mesh_model", "measure_cost")
 """Where a run writes, how often it checkpoints, on which devices, whether it times the result."""
@@ -585,11 +583,5 @@ def distill(config: DistillConfig, *, progress: bool = True) -> Path:
             }
             report["decode_s_per_token_batch1"] = times
             report["cost_ratio"] = times["draft"] / times["teacher"]
-        _write_json(output / "distill.json", report)
+        write_report(output / "distill.json", report)
         return final
-
-
-def _write_json(path: Path, record: dict[str, Any]) -> None:
-    temporary = path.with_name(path.name + ".partial")
-    temporary.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(temporary, path)

@@ -12,6 +12,8 @@ the newest complete checkpoint and ends with the parameters an uninterrupted run
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -211,3 +213,10 @@ def _check_resumable(record: dict[str, Any], config: RunConfig, examples: int, d
             f"{record.get('fingerprint')} with {record.get('examples')} examples; this run is "
             f"{config.fingerprint()} with {examples}); choose another output_dir or remove it"
         )
+
+
+def write_report(path: Path, record: dict[str, Any]) -> None:
+    """Write a run's JSON report whole or not at all (a temporary name, then a rename)."""
+    temporary = path.with_name(path.name + ".partial")
+    temporary.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(temporary, path)

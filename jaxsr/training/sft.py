@@ -7,6 +7,7 @@ inference places them, batch rows split over `data`.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import jax
@@ -27,7 +28,7 @@ from jaxsr.training.data import (
     stream_indices,
     tokenize_examples,
 )
-from jaxsr.training.loop import Batch, Run, check_run_keys, train
+from jaxsr.training.loop import Batch, Run, check_run_keys, train, write_report
 
 PLACEMENT_KEYS = ("output_dir", "save_every", "mesh_data", "mesh_model")
 """Where a run writes, how often it checkpoints and on which devices: a run may resume with others."""
@@ -132,7 +133,8 @@ def step_batch(
 # -- the run --------------------------------------------------------------------------------------
 def sft(config: SFTConfig, *, progress: bool = True) -> Path:
     """Fine-tune `config.model` on the selected responses of `config.data`; returns the directory of the
-    fine-tuned model (`output_dir/final`, a Hugging Face checkpoint). Resumes from the newest checkpoint
+    fine-tuned model (`output_dir/final`, a Hugging Face checkpoint; `output_dir/sft.json` records the
+    data sizes and the loss at every checkpoint). Resumes from the newest checkpoint
     in `output_dir/checkpoints`; a config or data that refuses (ValueError naming the key) does so
     before any model is loaded or any step taken."""
     if not isinstance(config, SFTConfig):
@@ -165,9 +167,22 @@ def sft(config: SFTConfig, *, progress: bool = True) -> Path:
             name="sft",
             progress=progress,
         )
-        params, _ = train(run)
+        start = time.perf_counter()
+        params, history = train(run)
+        wall = time.perf_counter() - start
         params = jax.tree.map(lambda p: p.astype(config.param_dtype), params)
-        return save_model(dataclasses.replace(model, params=params), output / "final")
+        final = save_model(dataclasses.replace(model, params=params), output / "final")
+        report = {
+            "config": dataclasses.asdict(config),
+            "data": {
+                "examples": len(examples),
+                "response_tokens": int(sum(len(e.tokens) - e.prompt_length for e in examples)),
+            },
+            "history": history,
+            "train_s_this_call": wall,
+        }
+        write_report(output / "sft.json", report)
+        return final
 
 
 def _selection(config: SFTConfig) -> str:
