@@ -2,14 +2,17 @@
 at a time, and SR with several prompts in flight (`concurrent_prompts`), side by side in one run.
 
 SmolLM2-135M-Instruct generates (T=1, top-k 50); the reward is all-MiniLM-L6-v2 prompt/response
-relevance; AlpacaFarm prompts of the 64-token bucket. SR runs at Best-of-8's KV memory per prompt.
-Per method: wall seconds per prompt (JAX compile time left out, from `jax.monitoring`), mean best
-reward, and the paper's score with Best-of-8 as the base (100·(1 + mean over prompts of
-(max s − max s_Bo8)/(max s_Bo8 − min s_Bo8))). Speedup at equal score: Best-of-N's wall time
-interpolated (log-linear in wall time) at the method's score ÷ the method's wall time.
+relevance; AlpacaFarm prompts of the 64-token bucket. SR runs at Best-of-8's KV memory per prompt;
+each `--sr α/first_segment` setting is one SR configuration (the first segment sets how many rows
+start: the budget's response slots ÷ the segment); the first runs with 1 and each `--concurrent`
+count of prompts in flight, the others with the largest count. Per method: wall seconds per prompt
+(JAX compile time left out, from `jax.monitoring`), mean best reward, and the paper's score with
+Best-of-8 as the base (100·(1 + mean over prompts of (max s − max s_Bo8)/(max s_Bo8 − min s_Bo8))).
+Speedup at equal score: Best-of-N's wall time interpolated (log-linear in wall time) at the method's
+score ÷ the method's wall time.
 
     python -m benchmarks.bench_sr_job [--prompts 24] [--max-new-tokens 64] [--ns 8 16 32]
-        [--rates 0.3 0.5] [--concurrent 4 8] [--seed 0]
+        [--sr 0.5/16 0.5/8 0.7/8] [--concurrent 4 8] [--seed 0]
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ns", type=int, nargs="+", default=[8, 16, 32])
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.3, 0.5])
+    parser.add_argument("--sr", nargs="+", default=["0.5/16", "0.5/8", "0.7/8"], help="α/first_segment")
     parser.add_argument("--concurrent", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="sr_job")
@@ -68,13 +71,17 @@ def main() -> None:
                 clock, lambda n=n: jaxsr.best_of_n(lm, reward, prompts, n=n, **common)
             )
             print(f"Best-of-{n}: {runs[f'Best-of-{n}'][1]:.1f} s", flush=True)
-        for rate, concurrent in itertools.product(args.rates, [1, *args.concurrent]):
-            name = f"SR α={rate}, {concurrent} prompt{'s' if concurrent > 1 else ''} in flight"
-            call = lambda r=rate, c=concurrent: jaxsr.speculative_rejection(
-                lm, reward, prompts, rejection_rate=r, memory_budget=budget, concurrent_prompts=c, **common
-            )
-            runs[name] = timed(clock, call)
-            print(f"{name}: {runs[name][1]:.1f} s", flush=True)
+        settings = [tuple(setting.split("/")) for setting in args.sr]
+        for i, (rate, segment) in enumerate(settings):
+            for concurrent in [1, *args.concurrent] if i == 0 else [max([1, *args.concurrent])]:
+                name = f"SR α={rate} from {segment} tokens, {concurrent} in flight"
+                call = lambda r=float(rate), m=int(segment), c=concurrent: jaxsr.speculative_rejection(
+                    lm, reward, prompts, rejection_rate=r, memory_budget=budget, concurrent_prompts=c,
+                    min_first_segment=m, **common,
+                )  # fmt: skip
+                runs[name] = timed(clock, call)
+                first = runs[name][0][0].stats["initial_batch"]
+                print(f"{name} (first batch {first}): {runs[name][1]:.1f} s", flush=True)
 
     def best(results: list[jaxsr.Result]) -> np.ndarray:
         return np.array([r.best.score for r in results])
