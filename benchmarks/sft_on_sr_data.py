@@ -160,7 +160,7 @@ def plot(scores: dict[str, np.ndarray], history: list[dict[str, Any]], args) -> 
     middle.set_title("one point per held-out prompt", fontsize=9)
     right.plot([h["step"] for h in history], [h["loss"] for h in history], "o-")
     right.set_xlabel("step")
-    right.set_ylabel("training loss (response tokens)")
+    right.set_ylabel("loss of the step's batch (response tokens)")
     fig.suptitle(
         f"SR data on {args.train_prompts} AlpacaFarm prompts → SFT of SmolLM2 → "
         f"{args.eval_prompts} held-out prompts"

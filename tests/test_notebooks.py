@@ -20,7 +20,7 @@ PRINTS = {  # what each notebook must print when it ran through
     "speculative_contrastive_decoding": ["greedy SCD == greedy CD", "measured", "over CD"],
     "sft_on_speculative_rejection_data": ["prompts searched", "fine-tuned in", "Best-of-8 reward after"],
 }
-# Notebooks whose shipped size is a long run (the README's worked example: ~25 min on 2 cores) run with
+# Notebooks whose shipped size is a long run (the README's worked example: 38 min on 2 cores) run with
 # their config cell shrunk as a user trying them would; {workdir} is the test's scratch directory.
 SHRUNK_CONFIG = {
     "sft_on_speculative_rejection_data": (
