@@ -4,15 +4,15 @@ at a time, and SR with several prompts in flight (`concurrent_prompts`), side by
 SmolLM2-135M-Instruct generates (T=1, top-k 50); the reward is all-MiniLM-L6-v2 prompt/response
 relevance; AlpacaFarm prompts of the 64-token bucket. SR runs at Best-of-8's KV memory per prompt;
 each `--sr α/first_segment` setting is one SR configuration (the first segment sets how many rows
-start: the budget's response slots ÷ the segment); the first runs with 1 and each `--concurrent`
-count of prompts in flight, the others with the largest count. Per method: wall seconds per prompt
+start: the budget's response slots ÷ the segment); the first runs with each `--concurrent` count of
+prompts in flight, the others with the largest count. Per method: wall seconds per prompt
 (JAX compile time left out, from `jax.monitoring`), mean best reward, and the paper's score with
 Best-of-8 as the base (100·(1 + mean over prompts of (max s − max s_Bo8)/(max s_Bo8 − min s_Bo8))).
 Speedup at equal score: Best-of-N's wall time interpolated (log-linear in wall time) at the method's
 score ÷ the method's wall time.
 
-    python -m benchmarks.bench_sr_job [--prompts 24] [--max-new-tokens 64] [--ns 8 16 32]
-        [--sr 0.5/16 0.5/8 0.7/8] [--concurrent 4 8] [--seed 0]
+    python -m benchmarks.bench_sr_job [--prompts 24] [--skip-prompts 0] [--max-new-tokens 64] [--ns 8 16 32]
+        [--sr 0.5/16 0.5/8 0.7/8] [--concurrent 1 4 8] [--seed 0]
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ def timed(clock: CompileClock, call) -> tuple[list[jaxsr.Result], float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--skip-prompts", type=int, default=0, help="start after this many bucket prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--ns", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--sr", nargs="+", default=["0.5/16", "0.5/8", "0.7/8"], help="α/first_segment")
-    parser.add_argument("--concurrent", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--concurrent", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="sr_job")
     args = parser.parse_args()
@@ -61,7 +62,7 @@ def main() -> None:
     in_bucket = (
         p for p in read_prompts("alpaca_farm_eval") if bucket(len(encode_prompts(lm, [p])[0])) == BUCKET
     )
-    prompts = list(itertools.islice(in_bucket, args.prompts))
+    prompts = list(itertools.islice(in_bucket, args.skip_prompts, args.skip_prompts + args.prompts))
     budget = BUCKET + 8 * bucket(args.max_new_tokens)  # Best-of-8's KV slots
     common = dict(max_new_tokens=args.max_new_tokens, sampling=SAMPLING, seed=args.seed)
     runs: dict[str, tuple[list[jaxsr.Result], float]] = {}
@@ -73,7 +74,7 @@ def main() -> None:
             print(f"Best-of-{n}: {runs[f'Best-of-{n}'][1]:.1f} s", flush=True)
         settings = [tuple(setting.split("/")) for setting in args.sr]
         for i, (rate, segment) in enumerate(settings):
-            for concurrent in [1, *args.concurrent] if i == 0 else [max([1, *args.concurrent])]:
+            for concurrent in args.concurrent if i == 0 else [max(args.concurrent)]:
                 name = f"SR α={rate} from {segment} tokens, {concurrent} in flight"
                 call = lambda r=float(rate), m=int(segment), c=concurrent: jaxsr.speculative_rejection(
                     lm, reward, prompts, rejection_rate=r, memory_budget=budget, concurrent_prompts=c,
