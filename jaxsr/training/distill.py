@@ -28,6 +28,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,7 @@ from jaxsr.decoding.loop import NO_PAUSE
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.state import HostRows, pin
 from jaxsr.decoding.steps import PlainSampling
-from jaxsr.jobs.config import check_field_types, check_mesh_keys, content_fingerprint, load_config
+from jaxsr.jobs.config import check_field_types, check_mesh_keys, load_config
 from jaxsr.jobs.methods import job_mesh, resolve_model
 from jaxsr.jobs.runner import holding
 from jaxsr.ladder import bucket
@@ -53,8 +54,8 @@ from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model
 from jaxsr.sharding import shard_model
-from jaxsr.training.data import Example, make_batch, stream_indices
-from jaxsr.training.loop import Batch, Run, check_run_keys, train, write_report
+from jaxsr.training.data import Example, make_batch
+from jaxsr.training.loop import Batch, Run, RunKeys, check_run_keys, train, write_report
 
 PLACEMENT_KEYS = ("output_dir", "save_every", "mesh_data", "mesh_model", "measure_cost")
 """Where a run writes, how often it checkpoints, on which devices, whether it times the result."""
@@ -68,8 +69,10 @@ FILL_LOGPROB = -1e4
 
 
 @dataclasses.dataclass
-class DistillConfig:
+class DistillConfig(RunKeys):
     """A distillation run. Every key a YAML file or override may set is a field here."""
+
+    placement_keys: ClassVar[tuple[str, ...]] = PLACEMENT_KEYS
 
     teacher: str = "smollm2"
     """The model distilled, as a job names it (a checkpoint, a .gguf, a hub id, `smollm2`)."""
@@ -151,14 +154,6 @@ class DistillConfig:
             return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
         except (ValueError, TypeError) as e:
             raise ValueError(str(e)) from None
-
-    def fingerprint(self) -> str:
-        """Identifies what the run computes (everything but where it writes and runs)."""
-        return content_fingerprint(self, PLACEMENT_KEYS)
-
-    @property
-    def examples_per_step(self) -> int:
-        return self.batch_size * self.grad_accum
 
 
 def load_distill_config(path: str | Path | None, overrides: list[str] = ()) -> DistillConfig:
@@ -543,12 +538,7 @@ def distill(config: DistillConfig, *, progress: bool = True) -> Path:
             model=student,
             loss=make_distill_loss(student.config, config.tv_weight),
             batch=lambda step: labelled_batch(
-                examples,
-                stream_indices(
-                    len(examples), config.seed, step * config.examples_per_step, config.examples_per_step
-                ),
-                config.grad_accum,
-                max_length,
+                examples, config.step_indices(len(examples), step), config.grad_accum, max_length
             ),
             examples=len(examples),
             checkpoints=output / "checkpoints",

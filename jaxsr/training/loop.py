@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +27,39 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
+from jaxsr.jobs.config import content_fingerprint
 from jaxsr.loading.api import DTYPES
 from jaxsr.sharding import logical_to_spec, on_mesh
 from jaxsr.training.checkpoints import Checkpoints
+from jaxsr.training.data import stream_indices
 
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 TrainStep = Callable[[nnx.State, optax.OptState, Batch], tuple[nnx.State, optax.OptState, Metrics]]
 Loss = Callable[[nnx.Module, Batch], tuple[jax.Array, jax.Array]]
 """(module, micro-batch) → (summed loss, count); a step's loss is Σ loss / Σ count over its micro-batches."""
+
+
+class RunKeys:
+    """What SFT and distillation configs derive alike from their fields: the run's identity and the
+    examples each step reads. A subclass names the keys that only place the run (`placement_keys`)."""
+
+    placement_keys: ClassVar[tuple[str, ...]]
+    batch_size: int
+    grad_accum: int
+    seed: int
+
+    def fingerprint(self) -> str:
+        """Identifies what the run computes (everything but where it writes and runs)."""
+        return content_fingerprint(self, self.placement_keys)
+
+    @property
+    def examples_per_step(self) -> int:
+        return self.batch_size * self.grad_accum
+
+    def step_indices(self, count: int, step: int) -> np.ndarray:
+        """The examples (of `count`) step `step` (0-based) reads: the next ones of the seed's stream."""
+        return stream_indices(count, self.seed, step * self.examples_per_step, self.examples_per_step)
 
 
 class RunConfig(Protocol):

@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsr.jobs.config import check_field_types, check_mesh_keys, content_fingerprint, load_config
+from jaxsr.jobs.config import check_field_types, check_mesh_keys, load_config
 from jaxsr.jobs.methods import job_mesh, resolve_model
 from jaxsr.jobs.runner import holding
 from jaxsr.loading.api import save_model
@@ -25,10 +26,9 @@ from jaxsr.training.data import (
     make_batch,
     read_results,
     select_responses,
-    stream_indices,
     tokenize_examples,
 )
-from jaxsr.training.loop import Batch, Run, check_run_keys, train, write_report
+from jaxsr.training.loop import Batch, Run, RunKeys, check_run_keys, train, write_report
 
 PLACEMENT_KEYS = ("output_dir", "save_every", "mesh_data", "mesh_model")
 """Where a run writes, how often it checkpoints and on which devices: a run may resume with others."""
@@ -36,8 +36,10 @@ POSITIVE_INTS = ("k", "max_length", "batch_size", "grad_accum", "steps", "save_e
 
 
 @dataclasses.dataclass
-class SFTConfig:
+class SFTConfig(RunKeys):
     """A fine-tuning run. Every key a YAML file or override may set is a field here."""
+
+    placement_keys: ClassVar[tuple[str, ...]] = PLACEMENT_KEYS
 
     model: str = "smollm2"
     """The model to fine-tune, as a job names it (a checkpoint, a hub id, `smollm2`, `smollm2-draft`)."""
@@ -91,14 +93,6 @@ class SFTConfig:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
         check_run_keys(self)
 
-    def fingerprint(self) -> str:
-        """Identifies what the run computes (everything but where it writes and runs)."""
-        return content_fingerprint(self, PLACEMENT_KEYS)
-
-    @property
-    def examples_per_step(self) -> int:
-        return self.batch_size * self.grad_accum
-
 
 def load_sft_config(path: str | Path | None, overrides: list[str] = ()) -> SFTConfig:
     """Read `path` (YAML mapping of `SFTConfig` keys) and apply `key=value` overrides."""
@@ -125,9 +119,7 @@ def step_batch(
     examples: list[Example], config: SFTConfig, step: int, max_length: int
 ) -> dict[str, np.ndarray]:
     """The batch of step `step` (0-based): the next `examples_per_step` of the seed's example stream."""
-    position = step * config.examples_per_step
-    indices = stream_indices(len(examples), config.seed, position, config.examples_per_step)
-    return make_batch(examples, indices, config.grad_accum, max_length)
+    return make_batch(examples, config.step_indices(len(examples), step), config.grad_accum, max_length)
 
 
 # -- the run --------------------------------------------------------------------------------------
