@@ -188,7 +188,10 @@ def test_labels_sit_at_their_tokens_columns(teacher_dir, prompt_sets, tmp_path):
 # -- the run ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def distilled(teacher_dir, prompt_sets, tmp_path_factory) -> tuple[DistillConfig, Path]:
-    config = run_config(teacher_dir, prompt_sets, tmp_path_factory.mktemp("distill-run"), measure_cost=True)
+    config = run_config(
+        teacher_dir, prompt_sets, tmp_path_factory.mktemp("distill-run"), measure_cost=True,
+        export_dtype="bfloat16",
+    )  # fmt: skip
     return config, distill(config, progress=False)
 
 
@@ -211,6 +214,9 @@ def test_the_draft_loads_and_drafts_for_its_teacher(teacher_dir, distilled):
     _, final = distilled
     teacher, draft = jaxsr.load_model(teacher_dir), jaxsr.load_model(final)
     assert draft.config.num_layers == 1 and draft.config.hidden_size == 32
+    data = (final / "model.safetensors").read_bytes()
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    assert {t["dtype"] for name, t in header.items() if name != "__metadata__"} == {"BF16"}  # export_dtype
     out = jaxsr.speculative_decode(
         teacher, draft, ["Tell me about cats."], gamma=3, max_new_tokens=16, seed=1
     )
@@ -274,6 +280,7 @@ def test_a_subset_head_draft(teacher_dir, prompt_sets, tmp_path):
         ("label_top_k=0", "label_top_k"),
         ("prompts=,", "prompts"),
         ("measure_cost=maybe", "measure_cost"),
+        ("export_dtype=float16", "export_dtype"),
     ],
 )
 def test_bad_configs_are_refused_naming_the_key(override, key):

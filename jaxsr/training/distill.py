@@ -49,7 +49,7 @@ from jaxsr.jobs.config import check_field_types, check_mesh_keys, load_config
 from jaxsr.jobs.methods import job_mesh, resolve_model
 from jaxsr.jobs.runner import holding
 from jaxsr.ladder import bucket
-from jaxsr.loading.api import save_model
+from jaxsr.loading.api import DTYPES, save_model
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model
@@ -118,6 +118,8 @@ class DistillConfig(RunKeys):
     tv_weight: float = 0.0
     """Weight of 1 − Σ min(p, q) beside the KL term."""
     param_dtype: str = "float32"
+    export_dtype: str | None = None
+    """The dtype of the saved draft's weights (None: `param_dtype`); bfloat16 halves the file."""
     save_every: int = 20
     seed: int = 0
     """Seeds the teacher's samples, the draft's initialisation and the order of the examples."""
@@ -145,6 +147,8 @@ class DistillConfig(RunKeys):
                 f"{self.hidden_size // self.head_dim} attention heads"
             )
         check_run_keys(self)
+        if self.export_dtype is not None and self.export_dtype not in DTYPES:
+            raise ValueError(f"export_dtype: expected None or one of {DTYPES}, got {self.export_dtype!r}")
         if not self.tv_weight >= 0:
             raise ValueError(f"tv_weight: expected a number >= 0, got {self.tv_weight}")
         self.sampling()  # refuses a bad temperature / top_k / top_p now, naming it
@@ -549,7 +553,7 @@ def distill(config: DistillConfig, *, progress: bool = True) -> Path:
         params, history = train(run)
         walls["train_s"] = time.perf_counter() - t1
         draft = dataclasses.replace(
-            student, params=jax.tree.map(lambda p: p.astype(config.param_dtype), params)
+            student, params=jax.tree.map(lambda p: p.astype(config.export_dtype or config.param_dtype), params)
         )
         final = save_model(draft, output / "final")
         report = {
