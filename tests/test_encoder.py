@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from jaxsr.ladder import bucket
+from jaxsr.ladder import bucket, fine_bucket, length_sorted_chunks
 from jaxsr.loading.encoder import load_encoder, minilm_path
 from jaxsr.loading.files import CheckpointError
 from jaxsr.sharding import make_mesh
@@ -201,6 +201,16 @@ def test_bucket_ladder():
     assert bucket(600, 8, cap=512) == 512
     assert [bucket(n, 1, cap=48) for n in (1, 3, 33)] == [1, 4, 48]
     assert [bucket(n) for n in (1, 16, 17)] == [16, 16, 32]
+    fine = [fine_bucket(n) for n in range(1, 200)]
+    assert sorted(set(fine)) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert all(n <= r and (r - n) * 3 < r for n, r in enumerate(fine, 1))  # under a third is padding
+    assert [fine_bucket(n, 8, cap=320) for n in (1, 9, 70, 300, 1000)] == [8, 12, 96, 320, 320]
+
+
+def test_length_sorted_chunks():
+    chunks = length_sorted_chunks([5, 1, 9, 1, 7], 2)
+    assert [c.tolist() for c in chunks] == [[1, 3], [0, 4], [2]]  # shortest first, ties in order
+    assert length_sorted_chunks([], 4) == []
 
 
 def test_minilm_path_names_the_package_when_missing(monkeypatch):
@@ -259,3 +269,8 @@ def test_minilm_pads_to_small_buckets_not_128(minilm):
     assert long.shape == (1, 256)  # truncated at sentence-transformers' max_seq_length
     # Chunking and row padding do not change any embedding (to f32 rounding: other batch shapes).
     np.testing.assert_allclose(minilm.embed(SENTENCES, batch_size=2), minilm.embed(SENTENCES), atol=1e-5)
+    # Texts are embedded shortest first; each embedding comes back in its text's place.
+    lengths = mask.sum(1)
+    assert len(set(lengths.tolist())) == 3 and lengths.tolist() != sorted(lengths.tolist())
+    one_by_one = np.concatenate([minilm.embed([s]) for s in SENTENCES])
+    np.testing.assert_allclose(minilm.embed(SENTENCES[::-1], batch_size=2)[::-1], one_by_one, atol=1e-5)

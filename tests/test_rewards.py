@@ -136,6 +136,13 @@ def next_pow2(n: int, minimum: int) -> int:
     return size
 
 
+RUNGS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]  # two per octave
+
+
+def rung(n: int, minimum: int) -> int:
+    return next(r for r in RUNGS if r >= max(n, minimum))
+
+
 # -- ClassifierReward ------------------------------------------------------------------------------
 
 
@@ -182,15 +189,15 @@ def test_classifier_counts_padded_work(rm, smol_tokenizer):
     assert reward.token_forwards == 0
     texts = RESPONSES[:6]
     lengths = [len(rendered_ids(smol_tokenizer, PROMPT, r)) for r in texts]
-    expected = 0
+    expected, by_length = 0, sorted(lengths)  # shortest first, chunks of 4: rows and length on the rungs
     for start in range(0, len(texts), 4):
-        chunk = lengths[start : start + 4]
-        expected += next_pow2(len(chunk), 1) * next_pow2(max(chunk), 16)
+        chunk = by_length[start : start + 4]
+        expected += rung(len(chunk), 1) * rung(max(chunk), 16)
     reward.score(candidates(PROMPT, texts))
     assert reward.token_forwards == expected
     assert expected > sum(lengths)
     reward.score(candidates(PROMPT, texts[:1]))
-    assert reward.token_forwards == expected + next_pow2(lengths[0], 16)
+    assert reward.token_forwards == expected + rung(lengths[0], 16)
 
 
 def test_classifier_respects_a_context_that_is_not_a_power_of_two(rm, smol_tokenizer):
@@ -418,8 +425,8 @@ def test_similarity_counts_the_padded_encoder_work(encoder):
     reward.score(candidates(PROMPT, texts))
     prompt_tokens, _ = encoder.tokenize([PROMPT])
     response_tokens, _ = encoder.tokenize(texts)
-    # the prompt alone (one row), then the three responses padded to a four-row bucket
-    assert reward.token_forwards == prompt_tokens.size + 4 * response_tokens.shape[1]
+    # the prompt alone (one row), then the three responses in one call of three rows
+    assert reward.token_forwards == prompt_tokens.size + 3 * response_tokens.shape[1]
     before = reward.token_forwards
     reward.score(candidates(PROMPT, texts[:1]))  # the prompt's embedding is cached
     assert reward.token_forwards - before == encoder.tokenize(texts[:1])[0].size

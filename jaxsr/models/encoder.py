@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxsr.checks import check_positive_int, check_unicode
-from jaxsr.ladder import bucket
+from jaxsr.ladder import fine_bucket, length_sorted_chunks
 from jaxsr.models.attention import Segment, attend
 from jaxsr.models.layers import ACTIVATIONS, Norm, param
 from jaxsr.models.model import as_token_batch, id_array
@@ -222,23 +222,30 @@ class EncoderModel:
         return _hidden(self.graph, self.params, *place_rows(self.mesh, tokens, mask, types))
 
     def tokenize(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """int32 tokens and 0/1 mask [len(texts), L], right-padded to L = `bucket(longest)`, truncated at
-        `max_length`.
+        """int32 tokens and 0/1 mask [len(texts), L], right-padded to L = `fine_bucket(longest)` (at
+        least MIN_LENGTH), truncated at `max_length`.
 
         Padding is done here, not by the tokenizer: all-MiniLM-L6-v2's tokenizer.json pads every text
         to 128 tokens if its own padding setting is left on.
         """
         _check_texts(texts)
+        return self._pad(self._token_rows(texts), len(texts))
+
+    def _token_rows(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's token ids, truncated at `max_length`, unpadded."""
         if self.tokenizer is None:
             raise ValueError(f"{self.name or 'encoder'}: no tokenizer; call hidden() with token ids")
         enc = self.tokenizer(list(texts), padding=False, truncation=True, max_length=self.max_length)
-        rows = [
+        return [
             [t for t, m in zip(ids, mask, strict=True) if m]
             for ids, mask in zip(enc["input_ids"], enc["attention_mask"], strict=True)
         ]
-        width = bucket(max(map(len, rows)), self.MIN_LENGTH, cap=self.config.max_position_embeddings)
-        tokens = np.full((len(rows), width), self.tokenizer.pad_token_id or 0, np.int32)
-        mask = np.zeros((len(rows), width), np.int32)
+
+    def _pad(self, rows: list[list[int]], count: int) -> tuple[np.ndarray, np.ndarray]:
+        """`rows` right-padded into [count, fine_bucket(longest)] tokens and mask (empty rows after)."""
+        width = fine_bucket(max(map(len, rows)), self.MIN_LENGTH, cap=self.config.max_position_embeddings)
+        tokens = np.full((count, width), self.tokenizer.pad_token_id or 0, np.int32)
+        mask = np.zeros((count, width), np.int32)
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = row
             mask[i, : len(row)] = 1
@@ -247,23 +254,22 @@ class EncoderModel:
     def embed(self, texts: Sequence[str], *, batch_size: int = 64) -> np.ndarray:
         """L2-normalised sentence embeddings [len(texts), d] (float32), `batch_size` texts per call.
 
-        Each call's rows are padded to a power of two (empty rows, dropped after) and its length to
-        `bucket(longest)`, so a stream of batches compiles one program per (rows, length) bucket.
+        Texts go to the calls shortest first (`length_sorted_chunks`); each call's rows and length are
+        padded to rungs of `fine_bucket`, so a stream of batches pads little and compiles one program
+        per (rows, length) rung.
         """
         _check_texts(texts)
         batch_size = check_positive_int("batch_size", batch_size)
-        out = []
-        for start in range(0, len(texts), batch_size):
-            tokens, mask = self.tokenize(texts[start : start + batch_size])
-            n = len(tokens)
-            pad_rows = ((0, bucket(n, 1, cap=batch_size) - n), (0, 0))
-            tokens, mask = np.pad(tokens, pad_rows), np.pad(mask, pad_rows)
+        rows = self._token_rows(texts)
+        out = np.zeros((len(texts), self.config.hidden_size), np.float32)
+        for chunk in length_sorted_chunks([len(r) for r in rows], batch_size):
+            tokens, mask = self._pad([rows[i] for i in chunk], fine_bucket(len(chunk), cap=batch_size))
             self.token_forwards += tokens.size
             placed = place_rows(
                 self.mesh, jnp.asarray(tokens), jnp.asarray(mask), jnp.zeros(tokens.shape, jnp.int32)
             )
-            out.append(np.asarray(_sentence_embeddings(self.graph, self.params, *placed))[:n])
-        return np.concatenate(out)
+            out[chunk] = np.asarray(_sentence_embeddings(self.graph, self.params, *placed))[: len(chunk)]
+        return out
 
 
 def _check_texts(texts: Any) -> None:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsr.ladder import bucket
+from jaxsr.ladder import bucket, fine_bucket, length_sorted_chunks
 from jaxsr.models.model import Model, RewardModel
 from jaxsr.rewards.base import Candidates
 from jaxsr.sharding import place_rows
@@ -45,8 +45,9 @@ def _score_ids(graph, params, prefix, prefix_len, suffix, tokens, lengths, width
 
 class ClassifierReward:
     """Renders [user: prompt, assistant: response] with the reward model's own template (a closed
-    assistant turn), tokenizes with its tokenizer, and reads the score at the last token. Inputs are
-    padded to power-of-two length and row buckets so scoring compiles a bounded number of times."""
+    assistant turn), tokenizes with its tokenizer, and reads the score at the last token. Inputs go to
+    the model shortest first, each call's rows and length padded to rungs of `fine_bucket`, so scoring
+    pads little and compiles a bounded number of times."""
 
     def __init__(self, model: RewardModel, batch_size: int = 32):
         if not isinstance(model, RewardModel):
@@ -117,13 +118,12 @@ class ClassifierReward:
 
     def score(self, candidates: Candidates) -> np.ndarray:
         encoded = [self.render(candidates.prompt_text, text) for text in candidates.texts]
-        scores = []
-        for start in range(0, len(encoded), self.batch_size):
-            chunk = encoded[start : start + self.batch_size]
-            rows = bucket(len(chunk), 1)
-            length = min(bucket(max(map(len, chunk))), self.model.config.context)
-            tokens, mask = left_pad(chunk, rows, length)
+        scores = np.zeros(len(encoded), np.float64)
+        for chunk in length_sorted_chunks([len(ids) for ids in encoded], self.batch_size):
+            rows = fine_bucket(len(chunk))
+            length = min(fine_bucket(len(encoded[chunk[-1]]), 16), self.model.config.context)
+            tokens, mask = left_pad([encoded[i] for i in chunk], rows, length)
             mask[len(chunk) :, -1] = 1  # padding rows score one pad token instead of nothing
             self.token_forwards += rows * length
-            scores.append(np.asarray(self.model.scores(tokens, mask))[: len(chunk)])
-        return np.concatenate(scores)
+            scores[chunk] = np.asarray(self.model.scores(tokens, mask))[: len(chunk)]
+        return scores
