@@ -552,9 +552,8 @@ def distill(config: DistillConfig, *, progress: bool = True) -> Path:
         )
         params, history = train(run)
         walls["train_s"] = time.perf_counter() - t1
-        draft = dataclasses.replace(
-            student, params=jax.tree.map(lambda p: p.astype(config.export_dtype or config.param_dtype), params)
-        )
+        export_dtype = config.export_dtype or config.param_dtype
+        draft = dataclasses.replace(student, params=jax.tree.map(lambda p: p.astype(export_dtype), params))
         final = save_model(draft, output / "final")
         report = {
             "config": dataclasses.asdict(config),
