@@ -124,14 +124,14 @@ def test_examples_are_the_prompt_as_inference_encodes_it_then_the_response(check
 def test_batches_are_left_padded_to_a_rung_and_mark_only_response_tokens():
     examples = [Example(np.arange(1, 1 + n, dtype=np.int32), p) for n, p in [(5, 2), (20, 15), (9, 8)]]
     batch = make_batch(examples, np.array([0, 1, 2, 0]), 2, 512)
-    assert batch["tokens"].shape == (2, 2, 32)  # 20 tokens: the 32 rung
+    assert batch["tokens"].shape == (2, 2, 24)  # 20 tokens: the 24 rung (16, 24, 32, 48, …)
     assert make_batch(examples, np.array([0, 2]), 1, 512)["tokens"].shape == (1, 2, 16)
-    rows = {name: batch[name].reshape(4, 32) for name in batch}
+    rows = {name: batch[name].reshape(4, 24) for name in batch}
     for r, i in enumerate([0, 1, 2, 0]):
         n, p = len(examples[i].tokens), examples[i].prompt_length
-        assert rows["tokens"][r, 32 - n :].tolist() == examples[i].tokens.tolist()
-        assert rows["mask"][r].tolist() == [0] * (32 - n) + [1] * n
-        assert rows["targets"][r].tolist() == [0] * (32 - n + p) + [1] * (n - p)
+        assert rows["tokens"][r, 24 - n :].tolist() == examples[i].tokens.tolist()
+        assert rows["mask"][r].tolist() == [0] * (24 - n) + [1] * n
+        assert rows["targets"][r].tolist() == [0] * (24 - n + p) + [1] * (n - p)
 
 
 def test_the_example_stream_is_a_function_of_seed_and_position():

@@ -7,8 +7,8 @@ own, the end-of-sequence token. Only response tokens are targets.
 
 Batches are drawn from an endless stream of epochs, each a permutation fixed by (seed, epoch), so the
 batch of any step is a pure function of the seed and the step's position in the stream: a resumed run
-reads exactly the batches an uninterrupted one does. Each batch is left-padded to a rung of the
-power-of-two length ladder, so the train step compiles once per rung.
+reads exactly the batches an uninterrupted one does. Each batch is left-padded to a rung of the length
+ladder (`fine_bucket`: two rungs per octave), so the train step compiles once per rung.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from jaxsr.decoding.inputs import encode_prompts
-from jaxsr.ladder import bucket
+from jaxsr.ladder import fine_bucket
 from jaxsr.models.model import Model
 from jaxsr.text import encode, left_pad
 
@@ -129,7 +129,7 @@ def make_batch(examples: list[Example], indices: np.ndarray, micro_batches: int,
     """[micro_batches, rows, T] left-padded `tokens`, `mask` and `targets` (1 at response tokens), T the
     ladder rung of the longest example."""
     chosen = [examples[i] for i in indices]
-    length = bucket(max(len(e.tokens) for e in chosen), MIN_LENGTH, cap=max_length)
+    length = fine_bucket(max(len(e.tokens) for e in chosen), MIN_LENGTH, cap=max_length)
     rows = len(chosen) // micro_batches
     tokens, mask = left_pad([e.tokens.tolist() for e in chosen], len(chosen), length)
     targets = np.zeros_like(mask)
