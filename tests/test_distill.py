@@ -328,8 +328,10 @@ def test_the_cli_distils(teacher_dir, prompt_sets, tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("jaxsr: error: steps:")
 
 
-def test_the_shipped_config_reads(tmp_path):
-    config = load_distill_config(
-        Path(__file__).resolve().parents[1] / "configs" / "train" / "distill_smollm2_draft.yaml"
-    )
-    assert config.teacher == "smollm2" and config.head_tokens is not None
+def test_the_shipped_configs_read(tmp_path):
+    configs = Path(__file__).resolve().parents[1] / "configs" / "train"
+    shipped = load_distill_config(configs / "distill_smollm2_draft.yaml")
+    # the shipped draft is also the contrastive amateur: a whole-vocabulary head, saved in bfloat16
+    assert shipped.teacher == "smollm2" and shipped.head_tokens is None
+    assert shipped.export_dtype == "bfloat16"
+    assert load_distill_config(configs / "distill_smollm2_draft_h200.yaml").head_tokens == 8192

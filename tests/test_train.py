@@ -83,7 +83,8 @@ def run_config(checkpoint: Path, results: str, output: Path, **keys) -> SFTConfi
 def mean_response_loss(model: jaxsr.Model, examples: list[Example]) -> float:
     batch = make_batch(examples, np.arange(len(examples)), 1, 64)
     tokens, mask, targets = (batch[name][0] for name in ("tokens", "mask", "targets"))
-    nll, count = response_nll(model.logits(tokens, mask), tokens, targets)
+    window = targets.shape[-1]  # the last positions, where every response lies
+    nll, count = response_nll(model.logits(tokens, mask)[:, -window:], tokens[:, -window:], targets)
     return float(nll / count)
 
 
@@ -126,12 +127,17 @@ def test_batches_are_left_padded_to_a_rung_and_mark_only_response_tokens():
     batch = make_batch(examples, np.array([0, 1, 2, 0]), 2, 512)
     assert batch["tokens"].shape == (2, 2, 24)  # 20 tokens: the 24 rung (16, 24, 32, 48, …)
     assert make_batch(examples, np.array([0, 2]), 1, 512)["tokens"].shape == (1, 2, 16)
-    rows = {name: batch[name].reshape(4, 24) for name in batch}
+    # targets cover the last 16 positions: the longest response (5) and the position before it, on the rung
+    assert batch["targets"].shape == (2, 2, 16)
+    rows = {name: batch[name].reshape(4, -1) for name in batch}
     for r, i in enumerate([0, 1, 2, 0]):
         n, p = len(examples[i].tokens), examples[i].prompt_length
         assert rows["tokens"][r, 24 - n :].tolist() == examples[i].tokens.tolist()
         assert rows["mask"][r].tolist() == [0] * (24 - n) + [1] * n
-        assert rows["targets"][r].tolist() == [0] * (24 - n + p) + [1] * (n - p)
+        assert rows["targets"][r].tolist() == [0] * (16 - n + p) + [1] * (n - p)
+    # a response as long as the batch allows: the window is the whole row
+    whole = make_batch([Example(np.arange(1, 21, dtype=np.int32), 1)], np.array([0]), 1, 512)
+    assert whole["targets"].shape == (1, 1, 24) and whole["targets"][0, 0].tolist() == [0] * 5 + [1] * 19
 
 
 def test_the_example_stream_is_a_function_of_seed_and_position():
@@ -172,6 +178,23 @@ def test_the_loss_counts_response_tokens_only():
     assert np.all(np.abs(np.asarray(grad)[:, :-1][predicts_response]).sum(-1) > 0)
 
 
+def test_the_loss_on_the_response_window_is_the_loss_over_every_position():
+    """sft_loss runs the output layer on the batch's response window only: the same loss as over the
+    whole row (responses 5, 9 and 2 tokens: a 16-position window of 32)."""
+    model = tiny_model()
+    examples = [Example(np.arange(1, 1 + n, dtype=np.int32), p) for n, p in [(30, 25), (12, 3), (20, 18)]]
+    micro = {name: x[0] for name, x in make_batch(examples, np.arange(3), 1, 64).items()}
+    T, window = micro["tokens"].shape[-1], micro["targets"].shape[-1]
+    assert (T, window) == (32, 16)
+    every = np.zeros((3, T), np.int32)
+    for r, e in enumerate(examples):
+        every[r, T - (len(e.tokens) - e.prompt_length) :] = 1
+    nll, count = sft_loss(model.module, micro)
+    full_nll, full_count = response_nll(model.logits(micro["tokens"], micro["mask"]), micro["tokens"], every)
+    assert int(count) == int(full_count) == 5 + 9 + 2
+    np.testing.assert_allclose(float(nll), float(full_nll), rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_the_train_step_compiles_once_per_bucket():
     model = tiny_model()
@@ -181,11 +204,11 @@ def test_the_train_step_compiles_once_per_bucket():
     state = (model.params, jax.jit(optimizer.init)(model.params))
     examples = [Example(np.arange(1, 1 + n, dtype=np.int32), 2) for n in (10, 30, 12, 25)]
     with compilations() as compiled:
-        for pair in ([0, 2], [1, 3], [2, 0], [3, 0]):  # rungs 16, 32, 16, 32
+        for pair in ([0, 2], [1, 3], [2, 0], [3, 1]):  # (length, response window) (16, 16), (32, 32) twice
             params, opt_state, metrics = step(*state, make_batch(examples, np.array(pair), 1, 64))
             state = (params, opt_state)
     assert compiled.count("train_step") == 2
-    assert np.isfinite(float(metrics["loss"])) and int(metrics["tokens"]) == (25 - 2) + (10 - 2)
+    assert np.isfinite(float(metrics["loss"])) and int(metrics["tokens"]) == (25 - 2) + (30 - 2)
 
 
 @pytest.mark.slow

@@ -126,14 +126,21 @@ def stream_indices(count: int, seed: int, start: int, size: int) -> np.ndarray:
 
 
 def make_batch(examples: list[Example], indices: np.ndarray, micro_batches: int, max_length: int) -> dict:
-    """[micro_batches, rows, T] left-padded `tokens`, `mask` and `targets` (1 at response tokens), T the
-    ladder rung of the longest example."""
+    """[micro_batches, rows, T] left-padded `tokens` and `mask`, T the ladder rung of the longest example,
+    and `targets` [micro_batches, rows, W]: 1 at the response tokens among the last W positions. Left
+    padding puts every response at the end, so a window of the longest response's rung (plus the
+    position that predicts its first token) holds them all: a loss needs the output layer there only."""
     chosen = [examples[i] for i in indices]
     length = fine_bucket(max(len(e.tokens) for e in chosen), MIN_LENGTH, cap=max_length)
+    longest = max(len(e.tokens) - e.prompt_length for e in chosen)
+    window = min(fine_bucket(longest + 1, MIN_LENGTH), length)
     rows = len(chosen) // micro_batches
     tokens, mask = left_pad([e.tokens.tolist() for e in chosen], len(chosen), length)
-    targets = np.zeros_like(mask)
+    targets = np.zeros((len(chosen), window), mask.dtype)
     for r, e in enumerate(chosen):
-        targets[r, length - len(e.tokens) + e.prompt_length :] = 1
-    shape = (micro_batches, rows, length)
-    return {"tokens": tokens.reshape(shape), "mask": mask.reshape(shape), "targets": targets.reshape(shape)}
+        targets[r, window - (len(e.tokens) - e.prompt_length) :] = 1
+    return {
+        "tokens": tokens.reshape(micro_batches, rows, length),
+        "mask": mask.reshape(micro_batches, rows, length),
+        "targets": targets.reshape(micro_batches, rows, window),
+    }

@@ -395,8 +395,9 @@ def make_distill_loss(cfg: DecoderConfig, tv_weight: float):
     index = head_index(cfg)
 
     def loss(module: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
+        window = micro["targets"].shape[-1]  # the output layer runs on the response window only
         hidden, _ = module.prefill(micro["tokens"], micro["mask"])
-        logq = jax.nn.log_softmax(module.head_logits(hidden[..., :-1, :]), axis=-1)
+        logq = jax.nn.log_softmax(module.head_logits(hidden[..., -window:-1, :]), axis=-1)
         kl, overlap = distill_terms(logq, micro["values"][..., 1:, :], micro["ids"][..., 1:, :], index)
         weight = micro["targets"][..., 1:].astype(jnp.float32)
         return ((kl + tv_weight * (1.0 - overlap)) * weight).sum(), weight.sum()
@@ -407,19 +408,20 @@ def make_distill_loss(cfg: DecoderConfig, tv_weight: float):
 def labelled_batch(
     examples: list[LabelledExample], indices: np.ndarray, micro_batches: int, max_length: int
 ) -> dict[str, np.ndarray]:
-    """`make_batch`'s tokens, mask and targets plus `values`/`ids` [micro_batches, rows, T, k]: at a
-    response token's column, the teacher's distribution it was drawn from."""
+    """`make_batch`'s tokens, mask and targets plus `values`/`ids` [micro_batches, rows, W, k] over the
+    targets' window of the last W positions: at a response token's column, the teacher's distribution
+    it was drawn from."""
     batch = make_batch(examples, indices, micro_batches, max_length)
-    M, rows, T = batch["tokens"].shape
+    M, rows, W = batch["targets"].shape
     k = examples[0].values.shape[1]
-    values = np.full((M * rows, T, k), FILL_LOGPROB, np.float32)
-    ids = np.zeros((M * rows, T, k), np.int32)
+    values = np.full((M * rows, W, k), FILL_LOGPROB, np.float32)
+    ids = np.zeros((M * rows, W, k), np.int32)
     for r, i in enumerate(indices):
         e = examples[i]
-        first = T - len(e.tokens) + e.prompt_length
+        first = W - (len(e.tokens) - e.prompt_length)
         values[r, first:] = e.values
         ids[r, first:] = e.ids
-    return {**batch, "values": values.reshape(M, rows, T, k), "ids": ids.reshape(M, rows, T, k)}
+    return {**batch, "values": values.reshape(M, rows, W, k), "ids": ids.reshape(M, rows, W, k)}
 
 
 # -- λ on held-out responses ---------------------------------------------------------------------
@@ -457,8 +459,9 @@ class Acceptance:
                 examples, np.resize(indices, self.ROWS), 1, bucket(max(len(e.tokens) for e in examples))
             )
             tokens, mask, targets = (batch[name][0] for name in ("tokens", "mask", "targets"))
-            weight = np.zeros(targets.shape, np.float32)
-            weight[: len(indices), :-1] = targets[: len(indices), 1:]  # position t predicts token t + 1
+            weight = np.zeros(tokens.shape, np.float32)  # targets cover the last W positions
+            T, W = tokens.shape[1], targets.shape[1]
+            weight[: len(indices), T - W : T - 1] = targets[: len(indices), 1:]  # t predicts token t + 1
             p = jax.nn.softmax(teacher.logits(tokens, mask), axis=-1).astype(jnp.float16)
             self.batches.append((jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(weight), p))
         self.positions = float(sum(w.sum() for _, _, w, _ in self.batches))

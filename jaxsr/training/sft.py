@@ -110,9 +110,13 @@ def response_nll(logits: jax.Array, tokens: jax.Array, targets: jax.Array) -> tu
 
 
 def sft_loss(module: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
-    """The response tokens' summed negative log-likelihood under `module`, and their count."""
+    """The response tokens' summed negative log-likelihood under `module`, and their count; the output
+    layer runs on the batch's response window only (`make_batch`)."""
+    window = micro["targets"].shape[-1]
     hidden, _ = module.prefill(micro["tokens"], micro["mask"])
-    return response_nll(module.logits(hidden), micro["tokens"], micro["targets"])
+    return response_nll(
+        module.logits(hidden[..., -window:, :]), micro["tokens"][..., -window:], micro["targets"]
+    )
 
 
 def step_batch(
