@@ -274,3 +274,11 @@ def test_minilm_pads_to_small_buckets_not_128(minilm):
     assert len(set(lengths.tolist())) == 3 and lengths.tolist() != sorted(lengths.tolist())
     one_by_one = np.concatenate([minilm.embed([s]) for s in SENTENCES])
     np.testing.assert_allclose(minilm.embed(SENTENCES[::-1], batch_size=2)[::-1], one_by_one, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_minilm_on_a_mesh_pads_rows_to_split_over_data(minilm):
+    sharded = load_encoder(minilm_path(), mesh=make_mesh(data=4, model=2))
+    np.testing.assert_allclose(sharded.embed(SENTENCES), minilm.embed(SENTENCES), atol=1e-5)
+    tokens, _ = minilm.tokenize(SENTENCES)
+    assert sharded.token_forwards == 4 * tokens.shape[1]  # 3 rows padded to 4, one per data shard

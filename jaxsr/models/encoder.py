@@ -26,7 +26,7 @@ from jaxsr.ladder import fine_bucket, length_sorted_chunks
 from jaxsr.models.attention import Segment, attend
 from jaxsr.models.layers import ACTIVATIONS, Norm, param
 from jaxsr.models.model import as_token_batch, id_array
-from jaxsr.sharding import place_rows
+from jaxsr.sharding import padded_rows, place_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,15 +255,16 @@ class EncoderModel:
         """L2-normalised sentence embeddings [len(texts), d] (float32), `batch_size` texts per call.
 
         Texts go to the calls shortest first (`length_sorted_chunks`); each call's rows and length are
-        padded to rungs of `fine_bucket`, so a stream of batches pads little and compiles one program
-        per (rows, length) rung.
+        padded to rungs of `fine_bucket` (rows also to a multiple of the mesh's `data` shards), so a
+        stream of batches pads little and compiles one program per (rows, length) rung.
         """
         _check_texts(texts)
         batch_size = check_positive_int("batch_size", batch_size)
         rows = self._token_rows(texts)
         out = np.zeros((len(texts), self.config.hidden_size), np.float32)
         for chunk in length_sorted_chunks([len(r) for r in rows], batch_size):
-            tokens, mask = self._pad([rows[i] for i in chunk], fine_bucket(len(chunk), cap=batch_size))
+            count = padded_rows(fine_bucket(len(chunk), cap=batch_size), self.mesh)  # splits over `data`
+            tokens, mask = self._pad([rows[i] for i in chunk], count)
             self.token_forwards += tokens.size
             placed = place_rows(
                 self.mesh, jnp.asarray(tokens), jnp.asarray(mask), jnp.zeros(tokens.shape, jnp.int32)

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxsr.ladder import bucket, fine_bucket, length_sorted_chunks
 from jaxsr.models.model import Model, RewardModel
 from jaxsr.rewards.base import Candidates
-from jaxsr.sharding import place_rows
+from jaxsr.sharding import padded_rows, place_rows
 from jaxsr.text import encode, has_chat_template, left_pad, render_chat, same_vocabulary
 
 TokenScorer = Callable[[jax.Array, jax.Array], jax.Array]
@@ -120,7 +120,7 @@ class ClassifierReward:
         encoded = [self.render(candidates.prompt_text, text) for text in candidates.texts]
         scores = np.zeros(len(encoded), np.float64)
         for chunk in length_sorted_chunks([len(ids) for ids in encoded], self.batch_size):
-            rows = fine_bucket(len(chunk))
+            rows = padded_rows(fine_bucket(len(chunk)), self.model.mesh)  # splits over `data`
             length = min(fine_bucket(len(encoded[chunk[-1]]), 16), self.model.config.context)
             tokens, mask = left_pad([encoded[i] for i in chunk], rows, length)
             mask[len(chunk) :, -1] = 1  # padding rows score one pad token instead of nothing
