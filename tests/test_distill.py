@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -326,6 +329,32 @@ def test_the_cli_distils(teacher_dir, prompt_sets, tmp_path, capsys):
     assert jaxsr.load_model(printed).config.num_layers == 1
     assert main(["train", "distill", str(config), "steps=0"]) == 2
     assert capsys.readouterr().err.strip().startswith("jaxsr: error: steps:")
+
+
+@pytest.mark.slow
+def test_the_accelerator_script_runs_end_to_end(teacher_dir, prompt_sets, tmp_path):
+    """scripts/distill_on_accelerator.sh (sized for one H200) runs its config through the CLI and prints
+    the λ curve; here on the CPU, its config shrunk to a tiny teacher and student by overrides."""
+    repository = Path(__file__).resolve().parents[1]
+    overrides = [
+        f"teacher={teacher_dir}", f"prompts={prompt_sets[0]}", f"heldout={prompt_sets[1]}",
+        "heldout_prompts=1", "samples_per_prompt=2", "max_new_tokens=8", "rows_per_batch=8",
+        "label_top_k=4", "hidden_size=32", "num_layers=1", "head_dim=16", "num_kv_heads=1",
+        "intermediate_size=64", "head_tokens=64", "batch_size=4", "max_length=64", "steps=2",
+        "warmup_steps=0", "save_every=2", "measure_cost=false",
+    ]  # fmt: skip
+    env = {  # the environment's jaxsr and python3 first on the PATH, as after the script's install line
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "OUTPUT_DIR": str(tmp_path / "run"),
+    }
+    run = subprocess.run(
+        ["bash", "scripts/distill_on_accelerator.sh", *overrides],
+        cwd=repository, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "wall: " in run.stdout and "step     2" in run.stdout, run.stdout
+    assert jaxsr.load_model(tmp_path / "run" / "final").config.head_size == 64
 
 
 def test_the_shipped_configs_read(tmp_path):
