@@ -5,6 +5,7 @@ byte-level tokenizer and a chat template."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from repository import copy_repository
 
 from jaxsr.cli import main
 from jaxsr.data import read_prompts
-from jaxsr.jobs.config import JobConfig, load_job_config
+from jaxsr.jobs.config import LATER_KEYS, JobConfig, load_job_config
 from jaxsr.jobs.runner import job_file, lock_path
 
 PROMPTS = ["Name a color.", "Say hi.", "Count to three.", "Pick a fruit."]
@@ -126,6 +127,38 @@ def test_fingerprint_names_the_content_not_the_output(tmp_path):
     # the devices a job runs on do not change its results, so they are not part of its identity
     elsewhere = load_job_config(None, ["seed=1", "mesh_data=4", "mesh_model=2"])
     assert base.fingerprint() == elsewhere.fingerprint()
+
+
+SR = ["method=speculative_rejection", "reward=minilm"]
+
+
+def test_search_keys_added_later_change_the_fingerprint_only_when_set():
+    """Outputs of jobs started before `min_first_segment`, `decision_interval`, `rule` and `min_keep`
+    existed still resume: at their defaults the fingerprint is the one those jobs got."""
+    config = load_job_config(None, SR)
+    before = {k: v for k, v in dataclasses.asdict(config).items() if k not in LATER_KEYS}
+    for placement in ("output", "mesh_data", "mesh_model", "concurrent_prompts"):
+        del before[placement]
+    earlier = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:16]
+    assert config.fingerprint() == earlier
+    for key in ("min_first_segment=8", "decision_interval=4", "rule=quantile", "min_keep=0"):
+        assert load_job_config(None, [*SR, key]).fingerprint() != earlier, key
+
+
+@pytest.mark.parametrize(
+    "bad, message, good",
+    [
+        ("min_first_segment=0", "min_first_segment: expected an int >= 1", "min_first_segment=8"),
+        ("decision_interval=0", "decision_interval: expected an int >= 1", "decision_interval=4"),
+        ("rule=median", "rule: expected one of", "rule=quantile"),
+        ("min_keep=2", "min_keep: expected 0", "min_keep=0"),
+    ],
+)
+def test_bad_search_keys_are_named(bad, message, good):
+    with pytest.raises(ValueError, match=message):
+        load_job_config(None, [*SR, bad])
+    with pytest.raises(ValueError, match="does not use it"):  # only speculative_rejection reads them
+        load_job_config(None, ["method=best_of_n", "reward=minilm", "n=4", good])
 
 
 @pytest.mark.parametrize(
@@ -598,6 +631,29 @@ def test_speculative_rejection_job(job):
         assert stats["memory_budget_slots"] == 192
         assert 1 <= len(record["samples"]) <= 8
         check_best(record)
+
+
+@pytest.mark.slow
+def test_a_speculative_rejection_job_passes_its_search_keys(job, tmp_path):
+    """min_first_segment, decision_interval, rule and min_keep reach the search: half the first segment
+    starts about twice the rows in the same memory, and a decision interval of 4 decides every 4 tokens."""
+    path, _ = job
+    common = [
+        "method=speculative_rejection", "num_samples=1", "reward=self_likelihood",
+        "memory_budget=192", "max_new_tokens=32", "limit=1",
+    ]  # fmt: skip
+    runs = {}
+    for name, keys in {
+        "default": [],
+        "set": ["min_first_segment=8", "decision_interval=4", "rule=quantile", "min_keep=0"],
+    }.items():
+        output = tmp_path / f"{name}.jsonl"
+        assert cli("run", str(path), *common, *keys, f"output={output}") == 0
+        runs[name] = read_jsonl(output)[1][0]["stats"]
+    first, wider = runs["default"]["initial_batch"], runs["set"]["initial_batch"]
+    assert wider in (2 * first, 2 * first + 1)
+    tokens = [d["token"] for d in runs["set"]["decisions"]]
+    assert tokens[:2] == [5, 9]  # every 4 tokens from the first (9: the first segment of 8 is full too)
 
 
 def test_a_speculative_rejection_job_packs_prompts_and_resumes_with_another_packing(job):

@@ -60,6 +60,10 @@ SHARED_KEYS = frozenset(
 PLACEMENT_KEYS = ("output", "mesh_data", "mesh_model", "concurrent_prompts")
 """Where a job writes and how it uses its devices: not part of what it computes (results are the same
 on any mesh and with any number of prompts searched at once), so a job may resume elsewhere."""
+LATER_KEYS = ("min_first_segment", "decision_interval", "rule", "min_keep")
+"""Keys added after job files existed: at their defaults they leave a job's fingerprint as it was, so
+the output of a job started before them still resumes."""
+RULES = ("keep_fraction", "quantile")
 
 
 @dataclasses.dataclass
@@ -96,6 +100,16 @@ class JobConfig:
     concurrent_prompts: int = 4
     """speculative_rejection: prompts searched at once, each in its own budget, their rows decoded
     together (with memory_budget=None the device's free memory is split among them)."""
+    min_first_segment: int = 16
+    """speculative_rejection: tokens every first row gets before the first decision (a smaller one starts
+    more rows in the same memory)."""
+    decision_interval: int | None = None
+    """speculative_rejection: decide every this many tokens too, not only when the memory is full."""
+    rule: str = "keep_fraction"
+    """speculative_rejection: `keep_fraction` (the reference's: the round((1-α)·pool) best) or
+    `quantile` (the paper's: scores at or above the α-quantile)."""
+    min_keep: int = 1
+    """speculative_rejection: the fewest responses a decision keeps (0: the reference's count)."""
     seed: int = 0
     dtype: str = "float32"
     chat: bool | None = None
@@ -113,9 +127,13 @@ class JobConfig:
             raise ValueError(f"output: expected a path ending in .jsonl, got {self.output!r}")
         if self.decoder is not None and self.decoder not in DECODERS:
             raise ValueError(f"decoder: expected one of {DECODERS} or None, got {self.decoder!r}")
-        for name in ("limit", "n", "concurrent_prompts"):
+        for name in ("limit", "n", "concurrent_prompts", "min_first_segment", "decision_interval"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+        if self.rule not in RULES:
+            raise ValueError(f"rule: expected one of {RULES}, got {self.rule!r}")
+        if self.min_keep not in (0, 1):
+            raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {self.min_keep}")
         check_mesh_keys(self)
         used = self.used_keys()
         for field in dataclasses.fields(self):
@@ -134,14 +152,17 @@ class JobConfig:
             return SHARED_KEYS | {"num_samples", "draft", *DECODER_OPTIONS[PAIR_METHODS[self.method]]}
         keys = SHARED_KEYS | {"reward", "n", "memory_budget", "decoder"}
         if self.method == "speculative_rejection":
-            keys |= {"rejection_rate", "concurrent_prompts"}
+            keys |= {"rejection_rate", "concurrent_prompts", *LATER_KEYS}
         if self.decoder is not None:
             keys |= {"draft", *DECODER_OPTIONS[self.decoder]}
         return keys
 
     def fingerprint(self) -> str:
-        """Identifies the job's content (everything but where it is written and run)."""
-        return content_fingerprint(self, PLACEMENT_KEYS)
+        """Identifies the job's content (everything but where it is written and run; `LATER_KEYS` only
+        when set)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        unset = tuple(key for key in LATER_KEYS if getattr(self, key) == defaults[key])
+        return content_fingerprint(self, PLACEMENT_KEYS + unset)
 
 
 def content_fingerprint(config: Any, placement_keys: tuple[str, ...]) -> str:

@@ -162,6 +162,10 @@ def build_solver(config: JobConfig) -> Solver:
                 rejection_rate=config.rejection_rate,
                 memory_budget=config.memory_budget,
                 concurrent_prompts=config.concurrent_prompts,
+                min_first_segment=config.min_first_segment,
+                decision_interval=config.decision_interval,
+                rule=config.rule,
+                min_keep=config.min_keep,
                 **kw,
             )
 
