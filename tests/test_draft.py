@@ -19,7 +19,7 @@ from jaxsr.models.decoder import Decoder
 
 # SmolLM2's sampled responses (T=1, top_k=50) to alpaca_farm_100 prompts, which the draft never saw.
 FIXTURE = Path(__file__).parent / "data" / "draft_heldout.json"
-MIN_ACCEPTANCE = 0.15  # the shipped draft measures 0.25 on this fixture, an untrained one 0.03
+MIN_ACCEPTANCE = 0.2  # the shipped draft measures 0.29 on this fixture, an untrained one 0.03
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ SMOLLM2_DRAFT = "smollm2-draft"
 
 def smollm2_draft_path() -> Path:
     """The draft/amateur distilled from SmolLM2-135M-Instruct (same tokenizer) for SD/SCD and CD; it is
-    trained by scripts/train_draft.py and shipped as an HF checkpoint directory."""
+    built by `jaxsr train distill configs/train/distill_smollm2_draft.yaml` and shipped as an HF
+    checkpoint directory (bfloat16 weights)."""
     path = Path(__file__).resolve().parent.parent / "assets" / SMOLLM2_DRAFT
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: the shipped SmolLM2 draft checkpoint is missing")
