@@ -43,9 +43,9 @@ from tqdm import tqdm
 
 import jaxsr
 from benchmarks.common import RESULTS, table, write_result
+from jaxsr.data import read_prompts
 from jaxsr.decoding.cost import expected_batch_speedup, expected_speedup
 from jaxsr.decoding.inputs import encode_prompts
-from jaxsr.jobs.runner import read_prompts
 from jaxsr.ladder import bucket
 from jaxsr.loading.gguf import smollm2_path
 

@@ -30,12 +30,14 @@ import scipy.stats
 
 import jaxsr
 from benchmarks.common import RESULTS, table, write_result
+from jaxsr import text
+from jaxsr.data import read_prompts
 from jaxsr.decoding.inputs import encode_prompts
-from jaxsr.jobs.methods import resolve_reward
-from jaxsr.jobs.runner import read_prompts
 from jaxsr.ladder import bucket
 from jaxsr.loading.gguf import smollm2_path
-from jaxsr.search.candidates import score_rows
+from jaxsr.loading.resolve import resolve_reward
+from jaxsr.results import Sample
+from jaxsr.search.candidates import score_samples
 
 
 def paper_score(best: np.ndarray, base_best: np.ndarray, base_worst: np.ndarray) -> float:
@@ -59,11 +61,11 @@ def partial_correlations(lm, reward, prompt, ids, samples, final, tokens_at) -> 
     """Spearman(partial reward at t tokens, final reward) over one prompt's samples."""
     out = {}
     for t in tokens_at:
-        cut = [s.token_ids[:t] for s in samples]
-        logprob = np.array([np.nan for _ in samples])  # only used by self-likelihood
         if reward.name.startswith("self_likelihood"):
             raise ValueError("partial correlations need a text reward")
-        partial, _ = score_rows(lm, reward, prompt, ids, cut, logprob, np.array([len(c) for c in cut]))
+        texts = text.decode_batch(lm.tokenizer, [s.token_ids[:t] for s in samples])
+        cut = [Sample(s.token_ids[:t], t_, logprob=s.logprob) for s, t_ in zip(samples, texts, strict=True)]
+        partial = [s.score for s in score_samples(lm, reward, prompt, ids, cut)]
         out[t] = float(scipy.stats.spearmanr(partial, final).statistic)
     return out
 

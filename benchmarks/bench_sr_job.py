@@ -33,8 +33,8 @@ from benchmarks.common import RESULTS, table, write_result
 from jaxsr.data import read_prompts
 from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.jobs.demo import CompileClock
-from jaxsr.jobs.methods import resolve_model, resolve_reward
 from jaxsr.ladder import bucket
+from jaxsr.loading.resolve import resolve_model, resolve_reward
 
 BUCKET = 64
 SAMPLING = jaxsr.SamplingConfig(temperature=1.0, top_k=50, top_p=1.0)

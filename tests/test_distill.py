@@ -81,7 +81,7 @@ def test_labels_are_the_teachers_distribution_and_samples_are_generates(teacher_
         paths = write_chunks(
             teacher, request, tmp_path, name="t", samples_per_prompt=4, config=config, progress=False
         )
-    assert compiled.count("labelled_decode") == 1
+    assert compiled.count("decode_loop") == 1  # the token loop, observed by the teacher's labels
     examples = read_chunks(paths, 1000)
     assert len(examples) == 16
     generated = jaxsr.generate(

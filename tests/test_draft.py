@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 import jaxsr
-from jaxsr.jobs.methods import resolve_model
 from jaxsr.loading.embedded import smollm2_draft_path
 from jaxsr.loading.gguf import smollm2_path
+from jaxsr.loading.resolve import resolve_model
 from jaxsr.models.decoder import Decoder
 
 # SmolLM2's sampled responses (T=1, top_k=50) to alpaca_farm_100 prompts, which the draft never saw.

@@ -22,6 +22,7 @@ import scipy.stats
 from flax import nnx
 from tiny import tiny_config
 
+from jaxsr.decoding import loop
 from jaxsr.decoding.contrast import contrastive_scores, make_contrast
 from jaxsr.decoding.driver import Sampler
 from jaxsr.decoding.sampling import SamplingConfig, probabilities
@@ -113,12 +114,12 @@ def run(d: Sampler, comp: str, permuted: bool = False):
     prefilled = d.prefill(tokens, mask)
     stop = np.full((B, 1), -1, np.int32)
     stop[:, : len(c["stop"])] = c["stop"]
-    state = d.init_state(
-        prefilled, samples_per_prompt=G, capacity=L, cache_capacity=L + d.headroom, seed=np.uint32(0),
-        prompt_ids=jnp.asarray(order, jnp.int32), sample_ids=jnp.asarray(sample_ids, jnp.int32),
-        alive=jnp.asarray(c["alive"](sample_ids)), max_new_tokens=jnp.asarray(budget, jnp.int32),
-        stop_ids=jnp.asarray(stop),
+    new = loop.NewRows(
+        seed=np.uint32(0), prompt_ids=jnp.asarray(order, jnp.int32),
+        sample_ids=jnp.asarray(sample_ids, jnp.int32), alive=jnp.asarray(c["alive"](sample_ids)),
+        max_new_tokens=jnp.asarray(budget, jnp.int32), stop_ids=jnp.asarray(stop),
     )  # fmt: skip
+    state = d.init_state(prefilled, new, capacity=L, cache_capacity=L + d.headroom)
     state = d.decode_loop(state, prefilled[1], None)
     tokens, lengths, accepted = jax.device_get((state.tokens, state.num_generated, state.accepted))
     return np.repeat(order, G), sample_ids, tokens, lengths, accepted

@@ -22,7 +22,8 @@ from repository import copy_repository
 from jaxsr.cli import main
 from jaxsr.data import read_prompts
 from jaxsr.jobs.config import LATER_KEYS, JobConfig, load_job_config
-from jaxsr.jobs.runner import job_file, lock_path
+from jaxsr.jobs.runner import job_file
+from jaxsr.locks import lock_path
 
 PROMPTS = ["Name a color.", "Say hi.", "Count to three.", "Pick a fruit."]
 
@@ -445,7 +446,7 @@ def test_an_output_written_with_a_header_line_resumes_in_the_new_form(job, capsy
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from jaxsr.jobs.runner import holding
+from jaxsr.locks import holding
 with holding(Path(sys.argv[1])):
     print("held", flush=True)
     time.sleep(600)

@@ -125,12 +125,12 @@ def test_the_compiled_decode_loop_updates_the_row_cache_in_place(lm):
 
     logits, prompt = loop.prefill(lm.graph, lm.params, jnp.ones((1, 16), jnp.int32), jnp.ones((1, 16), bool))
     B, capacity, method = 8, 40, PlainSampling(SamplingConfig())
-    state = loop.init_state(
-        (logits,), (prompt,), None, method=method, samples_per_prompt=B, capacity=capacity, seed=np.uint32(0),
-        prompt_ids=jnp.zeros(1, jnp.int32), sample_ids=jnp.arange(B, dtype=jnp.int32),
+    new = loop.NewRows(
+        seed=np.uint32(0), prompt_ids=jnp.zeros(1, jnp.int32), sample_ids=jnp.arange(B, dtype=jnp.int32),
         alive=jnp.ones(B, bool), max_new_tokens=jnp.full(B, capacity, jnp.int32),
         stop_ids=jnp.full((B, 1), -1, jnp.int32),
     )  # fmt: skip
+    state = loop.init_state((logits,), (prompt,), None, new, method=method, capacity=capacity)
     hlo = loop.decode_loop.lower((lm.graph,), (lm.params,), state, (prompt,), None, method=method)
     hlo = hlo.compile().as_text()
     K, D = lm.config.num_kv_heads, lm.config.head_dim

@@ -12,8 +12,8 @@ from tolerance import assert_same_sample
 import jaxsr
 from jaxsr.decoding import loop, state
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.search.memory import budget_slots, parse_bytes
-from jaxsr.search.speculative_rejection import batch_ladder, keep_mask
+from jaxsr.search.memory import batch_ladder, budget_slots, parse_bytes
+from jaxsr.search.speculative_rejection import keep_mask
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
 

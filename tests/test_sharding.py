@@ -12,7 +12,8 @@ from tiny import tiny_model
 
 import jaxsr
 from jaxsr.decoding import state as decode_state
-from jaxsr.decoding.driver import as_sampler, row_inputs
+from jaxsr.decoding.driver import Layout, as_sampler
+from jaxsr.decoding.inputs import Request
 from jaxsr.rewards import SelfLikelihood
 from jaxsr.sharding import make_mesh, shard_model
 
@@ -48,6 +49,12 @@ def test_generate_is_the_same_on_any_mesh(lm, data, model):
         np.testing.assert_allclose([x.logprob for x in s.samples], [x.logprob for x in r.samples], atol=1e-4)
 
 
+def _new_rows(model, prompts: int, samples: int, max_new_tokens: int):
+    """Every row alive: `samples` of each of `prompts` prompts, seed 0."""
+    request = Request((), [], max_new_tokens, SAMPLING, 0, (), 0)
+    return Layout(0, prompts, prompts, samples, samples).new_rows(model, request)
+
+
 def _decode_on_mesh(lm, prompts: int, samples: int, capacity: int = 32):
     """init_state + decode_loop on a (4, 2) mesh; returns the prompt cache, final state and the HLO of
     the compiled decode loop."""
@@ -56,11 +63,8 @@ def _decode_on_mesh(lm, prompts: int, samples: int, capacity: int = 32):
     tokens = jnp.ones((prompts, 8), jnp.int32)
     with decoder.on_mesh():
         prefilled = decoder.prefill(tokens, jnp.ones_like(tokens))
-        rows = row_inputs(
-            sharded, prompts=prompts, real_prompts=prompts, samples_per_prompt=samples, first_sample=0,
-            num_samples=samples, max_new_tokens=capacity, seed=0, first_prompt_id=0, stop_token_ids=(),
-        )  # fmt: skip
-        state = decoder.init_state(prefilled, capacity=capacity, **rows)
+        new = _new_rows(sharded, prompts, samples, capacity)
+        state = decoder.init_state(prefilled, new, capacity=capacity)
         hlo = decoder.compiled_loop(state, prefilled[1]).as_text()
         state = decoder.decode_loop(state, prefilled[1], None)
     return prefilled[1][0], state, hlo
@@ -118,11 +122,8 @@ def test_pair_compaction_moves_only_the_survivors(lm, draft):
     tokens = jnp.ones((1, 8), jnp.int32)
     with decoder.on_mesh():
         prefilled = decoder.prefill(tokens, jnp.ones_like(tokens))
-        rows = row_inputs(
-            lm, prompts=1, real_prompts=1, samples_per_prompt=8, first_sample=0, num_samples=8,
-            max_new_tokens=64, seed=0, first_prompt_id=0, stop_token_ids=(),
-        )  # fmt: skip
-        state = decoder.init_state(prefilled, capacity=64, cache_capacity=64 + decoder.headroom, **rows)
+        new = _new_rows(lm, 1, 8, 64)
+        state = decoder.init_state(prefilled, new, capacity=64, cache_capacity=64 + decoder.headroom)
         index, alive = jnp.array([0, 2, 4, 6], jnp.int32), jnp.ones((4,), bool)
         hlo = decode_state.compact.lower(state, index, alive, cache_capacity=32).compile().as_text()
         compacted = decoder.compact(state, index, alive, 32)

@@ -268,12 +268,12 @@ def test_pausing_and_compacting_do_not_change_the_tokens(target, draft):
 
     def run(pause_at, state=None):
         if state is None:
-            state = sampler.init_state(
-                prefilled, samples_per_prompt=2, capacity=16,
-                cache_capacity=20, seed=np.uint32(0), prompt_ids=jnp.arange(4, dtype=jnp.int32),
+            new = loop.NewRows(
+                seed=np.uint32(0), prompt_ids=jnp.arange(4, dtype=jnp.int32),
                 sample_ids=jnp.tile(jnp.arange(2), 4), alive=jnp.ones(8, bool),
                 max_new_tokens=jnp.full(8, 16, jnp.int32), stop_ids=jnp.full((8, 1), -1, jnp.int32),
             )  # fmt: skip
+            state = sampler.init_state(prefilled, new, capacity=16, cache_capacity=20)
         return sampler.decode_loop(state, prefilled[1], jnp.int32(pause_at))
 
     full = jax.device_get(run(loop.NO_PAUSE))

@@ -14,7 +14,8 @@ import jaxsr
 from jaxsr.ladder import bucket
 from jaxsr.results import Sample
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.search.speculative_rejection import Book, MemoryPlan, decide
+from jaxsr.search.memory import MemoryPlan
+from jaxsr.search.speculative_rejection import Book, decide
 
 
 def reference_search(scores: np.ndarray, finished: np.ndarray, rate: float) -> tuple[set, int, list[set]]:

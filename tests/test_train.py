@@ -228,7 +228,9 @@ def test_accumulated_micro_batches_make_the_update_of_one_batch():
         updated.append((jax.tree.leaves(params), float(metrics["loss"])))
     (whole, whole_loss), (split, split_loss) = updated
     assert np.isclose(whole_loss, split_loss, rtol=1e-6)
-    assert all(np.allclose(a, b, atol=1e-6) for a, b in zip(whole, split, strict=True))
+    # Adam divides each gradient entry by its own size: entries whose gradient is near Adam's eps turn a
+    # summation-order difference into up to ~1e-6 of an update of lr = 1e-2 (measured 2.4e-6 on a Xeon)
+    assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(whole, split, strict=True))
 
 
 # -- configs ---------------------------------------------------------------------------------------

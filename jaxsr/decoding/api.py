@@ -3,7 +3,8 @@
 `speculative_decoder`, `contrastive_decoder` and `speculative_contrastive_decoder` validate a pair and
 its method's arguments and return a `Sampler`; `best_of_n` and `speculative_rejection` take a `Model`
 (plain sampling) or a `Sampler`, so Speculative Rejection over speculative contrastive decoding is one
-call. Every call validates and encodes its inputs once (`inputs.prepare`) and runs the one driver."""
+call. Every call gathers its shared options in one `inputs.Options`, validates and encodes them once
+(`inputs.prepare`) and runs the one driver."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from jaxsr.decoding import cost
 from jaxsr.decoding.contrast import ContrastKind, make_contrast
 from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Run, Sampler, as_sampler, decode, samples_of
 from jaxsr.decoding.inputs import (
+    Options,
     Request,
     check_contrastive_pair,
     check_language_model,
@@ -86,15 +88,10 @@ def speculative_contrastive_decoder(
 def decode_prompts(
     sampler: Sampler,
     prompts: Prompts,
+    options: Options,
     *,
-    max_new_tokens: int,
-    sampling: SamplingConfig,
     num_samples: int,
-    seed: int,
-    chat: bool | None,
-    stop_token_ids: Sequence[int],
     max_rows: int,
-    prompt_offset: int,
     baseline: bool = False,
     measure_cost: bool = False,
 ) -> list[Result]:
@@ -105,10 +102,7 @@ def decode_prompts(
     num_samples = check_positive_int("num_samples", num_samples)
     max_rows = check_positive_int("max_rows", max_rows)
     baseline, measure_cost = check_bool("baseline", baseline), check_bool("measure_cost", measure_cost)
-    request = prepare(
-        sampler.models, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, chat=chat,
-        stop_token_ids=stop_token_ids, prompt_offset=prompt_offset,
-    )  # fmt: skip
+    request = prepare(sampler.models, prompts, options)
     rows = len(request.encoded) * num_samples
     check_responses_fit("num_samples", rows, request.max_new_tokens)
     mesh = sampler.mesh
@@ -127,7 +121,7 @@ def decode_prompts(
         stats = speculative_stats(sampler, request, run, num_samples, max_rows, baseline, measure_cost)
     return [
         Result(prompt=prompt, samples=samples_of(sampler.target, rows), stats={"wall_s": wall, **st})
-        for prompt, rows, st in zip(prompts, run.samples, stats, strict=True)
+        for prompt, rows, st in zip(prompts, run.rows, stats, strict=True)
     ]
 
 
@@ -147,7 +141,7 @@ def speculative_stats(
     costs = cost.measure_call_costs(sampler, run.shapes, gamma) if measure_cost else None
     cost_ratio, verify = costs or (None, None)
     stats = []
-    for st, rows in zip(run.stats, run.samples, strict=True):
+    for st, rows in zip(run.stats, run.rows, strict=True):
         st = {**st, "gamma": gamma, **cost.acceptance_stats(rows)}
         st.update(cost_ratio=cost_ratio, verify_cost_ratio=verify, expected_speedup=None)
         if st["acceptance_rate"] is not None and cost_ratio is not None:
@@ -186,11 +180,10 @@ def generate(
     `max_rows` bounds the rows decoded together; `prompt_offset` is the index of `prompts[0]` in a
     larger job, so split or resumed jobs draw the same random streams as one whole call."""
     check_language_model(model, "model")
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
     return decode_prompts(
-        as_sampler(model, SamplingConfig()), prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-        num_samples=num_samples, seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows,
-        prompt_offset=prompt_offset,
-    )  # fmt: skip
+        as_sampler(model, SamplingConfig()), prompts, options, num_samples=num_samples, max_rows=max_rows
+    )
 
 
 def contrastive_decode(
@@ -216,10 +209,8 @@ def contrastive_decode(
     expert's tokenizer and stop on the expert's EOS ids (plus `stop_token_ids`). `Sample.logprob` is the
     expert's own log-probability of the tokens; `stats["token_forwards"]` has "expert" and "amateur"."""
     sampler = contrastive_decoder(expert, amateur, alpha=alpha, beta=beta, contrast=contrast, tau=tau)
-    return decode_prompts(
-        sampler, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
-        seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
-    )  # fmt: skip
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
+    return decode_prompts(sampler, prompts, options, num_samples=num_samples, max_rows=max_rows)
 
 
 def speculative_decode(
@@ -250,9 +241,9 @@ def speculative_decode(
     `token_forwards` has "generator" (the target) and "draft". Prompts are encoded with the target's
     tokenizer and stop on its EOS ids."""
     sampler = speculative_decoder(target, draft, gamma=gamma)
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
     return decode_prompts(
-        sampler, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
-        seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
+        sampler, prompts, options, num_samples=num_samples, max_rows=max_rows,
         baseline=baseline, measure_cost=measure_cost,
     )  # fmt: skip
 
@@ -285,8 +276,8 @@ def speculative_contrastive_decode(
     sampler = speculative_contrastive_decoder(
         expert, amateur, gamma=gamma, alpha=alpha, beta=beta, contrast=contrast, tau=tau
     )
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
     return decode_prompts(
-        sampler, prompts, max_new_tokens=max_new_tokens, sampling=sampling, num_samples=num_samples,
-        seed=seed, chat=chat, stop_token_ids=stop_token_ids, max_rows=max_rows, prompt_offset=prompt_offset,
+        sampler, prompts, options, num_samples=num_samples, max_rows=max_rows,
         baseline=baseline, measure_cost=measure_cost,
     )  # fmt: skip

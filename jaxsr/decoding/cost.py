@@ -14,19 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsr.decoding.driver import RawSample, Sampler
+from jaxsr.decoding.driver import Sampler
+from jaxsr.decoding.state import DecodeState
 from jaxsr.decoding.steps import forward
 from jaxsr.models.cache import PromptCache, RowCache
 from jaxsr.sharding import constrain_rows
 
 
-def acceptance_stats(rows: Sequence[RawSample]) -> dict[str, Any]:
+def acceptance_stats(rows: DecodeState) -> dict[str, Any]:
     """acceptance_rate λ = accepted / tested draft tokens; tokens_per_target_call = tokens committed
-    by verification calls / those calls (the first token, drawn from the prefill, is not counted)."""
-    accepted = sum(r.accepted for r in rows)
-    tested = sum(r.tested for r in rows)
-    calls = sum(r.target_calls for r in rows)
-    produced = sum(max(r.num_generated - 1, 0) for r in rows)
+    by verification calls / those calls (the first token, drawn from the prefill, is not counted).
+    `rows`: decoded rows on the host (`state.to_host`)."""
+    accepted = int(rows.accepted.sum())
+    tested = int(rows.tested.sum())
+    calls = int(rows.target_calls.sum())
+    produced = int(np.maximum(rows.num_generated - 1, 0).sum())
     return {
         "acceptance_rate": accepted / tested if tested else None,
         "tokens_per_target_call": produced / calls if calls else None,

@@ -1,14 +1,19 @@
-"""The sampler (models + method + contrast weights) and the one host driver that decodes prompts
-with it: batch the prompts, prefill each once per model, compile once per shape, run the token loop,
-and bring every row back to the host in one transfer. The search procedures drive the same sampler
-through its jitted operations (prefill, init, decode until a pause, compact survivors)."""
+"""The sampler (models + method + contrast weights), the one batch set-up every driver uses, and
+`decode`, the driver of plain decoding calls.
+
+A batch is set up in two steps: `Sampler.prefill_prompts` (left-pad, prefill each prompt once per
+model) and `Sampler.start` (the rows of a `Layout`, each with its first token). `Sampler.decode_loop`
+then runs the one token loop (until done or a pause), `state.to_host` brings the rows back in one
+transfer, and `Sampler.compact` gathers survivors. `decode` batches a call's prompts and decodes each
+batch to the end; the searches (`jaxsr.search.scheduler`) and training's teacher sampling drive the
+same steps."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +25,7 @@ from jaxsr.decoding import loop
 from jaxsr.decoding.contrast import Contrast
 from jaxsr.decoding.inputs import Request
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.decoding.state import DecodeState, HostRows, compact
+from jaxsr.decoding.state import DecodeState, compact, concat_rows, response, take_rows, to_host
 from jaxsr.decoding.steps import Method, PlainSampling
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
@@ -80,9 +85,28 @@ class Sampler:
         out = [loop.prefill(m.graph, m.params, tokens, mask) for m in self.models]
         return tuple(z for z, _ in out), tuple(c for _, c in out)
 
-    def init_state(self, prefilled: tuple[tuple, tuple], **rows: Any) -> DecodeState:
-        """New rows (keywords as `loop.init_state`'s, from `row_inputs`, `capacity`, `cache_capacity`)."""
-        return loop.init_state(*prefilled, self.contrast, method=self.method, **rows)
+    def prefill_prompts(self, prompts: Sequence[list[int]], rows: int, length: int | None = None) -> Prefill:
+        """The prompts left-padded to [rows, length] (default: the longest's bucket; rows past the
+        prompts are padding) and prefilled once per model."""
+        length = bucket(max(map(len, prompts))) if length is None else length
+        tokens, mask = map(jnp.asarray, text.left_pad(list(prompts), rows, length))
+        logits, caches = self.prefill(tokens, mask)
+        return Prefill(logits, caches, rows * length)
+
+    def init_state(self, prefilled: tuple[tuple, tuple], new: loop.NewRows, **capacities: int) -> DecodeState:
+        """New rows after a prefill (`capacity`, `cache_capacity` as `loop.init_state`'s)."""
+        return loop.init_state(*prefilled, self.contrast, new, method=self.method, **capacities)
+
+    def start(
+        self, prefill: Prefill, layout: Layout, request: Request, segment: int | None = None
+    ) -> DecodeState:
+        """The rows of `layout` after `prefill`, each with its first token: token buffers for the
+        request's `max_new_tokens` (bucketed), row caches of `segment` slots (default: as many) plus
+        the method's look-ahead headroom."""
+        capacity = bucket(request.max_new_tokens)
+        cache_capacity = (capacity if segment is None else segment) + self.headroom
+        new = layout.new_rows(self.target, request)
+        return self.init_state(prefill[:2], new, capacity=capacity, cache_capacity=cache_capacity)
 
     def compiled_loop(self, state: DecodeState, prompts: tuple) -> Any:
         """The decode loop compiled for this state's shapes (paused or not): (params, state, prompts,
@@ -97,11 +121,15 @@ class Sampler:
             pause_at=loop.NO_PAUSE,
         ).compile()
 
-    def decode_loop(self, state: DecodeState, prompts: tuple, pause_at: jax.Array) -> DecodeState:
-        """Decode until every row is done or has `pause_at` tokens (the state is donated)."""
+    def decode_loop(
+        self, state: DecodeState, prompts: tuple, pause_at: jax.Array | None, observer: Any = None
+    ) -> DecodeState:
+        """Decode until every row is done or has `pause_at` tokens (the state is donated); an
+        `observer` (`loop.Observer`) records beside the tokens."""
         return loop.decode_loop(
-            self.graphs, self.params, state, prompts, self.contrast, method=self.method, pause_at=pause_at
-        )
+            self.graphs, self.params, state, prompts, self.contrast,
+            method=self.method, pause_at=pause_at, observer=observer,
+        )  # fmt: skip
 
     def compact(self, state: DecodeState, index: jax.Array, alive: jax.Array, cache_capacity: int):
         return compact(state, index, alive, cache_capacity=cache_capacity)
@@ -128,6 +156,17 @@ def as_sampler(sampler: Any, sampling: SamplingConfig) -> Sampler:
     )
 
 
+class Prefill(NamedTuple):
+    """Prompts prefilled once per model."""
+
+    logits: tuple[jax.Array, ...]
+    """Each model's last-position logits [P, V]: what every row's first token is drawn from."""
+    caches: tuple
+    """Each model's `PromptCache`, shared by the prompts' rows."""
+    positions: int
+    """Prompt positions run through each model (padding included)."""
+
+
 def stop_id_matrix(model: Model, rows: int, extra: Sequence[int]) -> np.ndarray:
     ids = list(dict.fromkeys([*model.eos_token_ids, *extra]))
     width = bucket(len(ids), 1) if ids else 1
@@ -136,112 +175,79 @@ def stop_id_matrix(model: Model, rows: int, extra: Sequence[int]) -> np.ndarray:
     return matrix
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Which rows a batch holds: `prompts` groups of `rows` rows, each group the rows of one prompt
+    (they attend to its prompt cache). Groups from `real_prompts` on are padding; in a real group the
+    first `live` rows are samples first_sample … (alive while below `num_samples`), the rest padding
+    that lets the batch split over a mesh's `data` shards (see `batches`)."""
+
+    first_prompt: int
+    """The request index of group 0's prompt."""
+    prompts: int
+    real_prompts: int
+    rows: int
+    live: int
+    first_sample: int = 0
+    num_samples: int | None = None
+    """Samples the call draws per prompt (None: `live`)."""
+
+    def new_rows(self, model: Model, request: Request) -> loop.NewRows:
+        """`init_state`'s per-row inputs (random streams from the request's seed and prompt offset)."""
+        G, P = self.rows, self.prompts
+        num_samples = self.live if self.num_samples is None else self.num_samples
+        sample_ids = np.tile(self.first_sample + np.arange(G), P)
+        real = np.repeat(np.arange(P) < self.real_prompts, G) & np.tile(np.arange(G) < self.live, P)
+        return loop.NewRows(
+            seed=np.uint32(request.seed),
+            prompt_ids=jnp.arange(P, dtype=jnp.int32) + request.prompt_offset + self.first_prompt,
+            sample_ids=jnp.asarray(sample_ids, jnp.int32),
+            alive=jnp.asarray(real & (sample_ids < num_samples)),
+            max_new_tokens=jnp.full((P * G,), request.max_new_tokens, jnp.int32),
+            stop_ids=jnp.asarray(stop_id_matrix(model, P * G, request.stop_token_ids)),
+        )
+
+
 def batches(
     prompts: list[list[int]], num_samples: int, max_rows: int, mesh: Mesh | None = None
-) -> Iterator[tuple[int, int, int, int]]:
-    """(first prompt, padded prompt count P, samples per prompt G, rows per prompt R) of each batch of
-    at most `max_rows` rows (plus mesh padding): G = min(num_samples, max_rows) samples of P prompts, P a
+) -> Iterator[list[Layout]]:
+    """The layouts of each batch of at most `max_rows` rows (plus mesh padding), one per chunk of
+    samples sharing the batch's prefill: G = min(num_samples, max_rows) samples of P prompts, P a
     power of two (one compiled shape for every full batch); a prompt with more than G samples gets them
-    in several batches. R ≥ G pads each prompt's rows with dead ones so the batch splits over the mesh's
-    `data` shards (R = G without a mesh)."""
+    in several chunks. Each prompt's rows are padded with dead ones to R ≥ G so that the batch splits
+    over the mesh's `data` shards (R = G without a mesh)."""
     G = min(num_samples, max_rows)
     per_batch = 1 << (max(1, max_rows // G).bit_length() - 1)
     for start in range(0, len(prompts), per_batch):
-        P = min(bucket(len(prompts[start : start + per_batch]), 1), per_batch)
-        yield start, P, G, padded_rows(G, mesh, groups=P)
+        real = len(prompts[start : start + per_batch])
+        P = min(bucket(real, 1), per_batch)
+        R = padded_rows(G, mesh, groups=P)
+        yield [Layout(start, P, real, R, G, first, num_samples) for first in range(0, num_samples, G)]
 
 
-def row_inputs(
-    model: Model,
-    *,
-    prompts: int,
-    real_prompts: int,
-    samples_per_prompt: int,
-    first_sample: int,
-    num_samples: int,
-    max_new_tokens: int,
-    seed: int,
-    first_prompt_id: int,
-    stop_token_ids: Sequence[int],
-    live_per_prompt: int | None = None,
-) -> dict[str, Any]:
-    """`init_state`'s per-row keywords for samples first_sample … first_sample + G − 1 of `prompts`
-    prompts (rows grouped by prompt; padding prompts and samples past `num_samples` are not alive, nor
-    a prompt's rows past `live_per_prompt`: mesh padding, see `batches`).
-    A row's (seed, prompt id, sample id) is its random stream, whatever the batch it is in."""
-    G = samples_per_prompt
-    live = G if live_per_prompt is None else live_per_prompt
-    sample_ids = np.tile(first_sample + np.arange(G), prompts)
-    real = np.repeat(np.arange(prompts) < real_prompts, G) & np.tile(np.arange(G) < live, prompts)
-    return dict(
-        samples_per_prompt=G,
-        seed=np.uint32(seed),
-        prompt_ids=jnp.arange(prompts, dtype=jnp.int32) + first_prompt_id,
-        sample_ids=jnp.asarray(sample_ids, jnp.int32),
-        alive=jnp.asarray(real & (sample_ids < num_samples)),
-        max_new_tokens=jnp.full((prompts * G,), max_new_tokens, jnp.int32),
-        stop_ids=jnp.asarray(stop_id_matrix(model, prompts * G, stop_token_ids)),
-    )
-
-
-@dataclasses.dataclass
-class RawSample:
-    """One decoded row on the host: its response and counters, before text and score."""
-
-    prompt_id: int
-    """Global prompt index (the random stream's)."""
-    sample_index: int
-    tokens: list[int]
-    """Generated tokens without the stop token."""
-    finished: bool
-    logprob: float
-    num_generated: int
-    """Committed tokens, the stop token included."""
-    target_calls: int = 0
-    accepted: int = 0
-    tested: int = 0
-
-    def to_sample(self, text: str, score: float | None = None) -> Sample:
-        return Sample(
-            token_ids=self.tokens,
-            text=text,
-            score=score,
-            finished=self.finished,
-            logprob=self.logprob,
-            index=self.sample_index,
-        )
-
-
-def raw_samples(host: HostRows, rows: Sequence[int] | None = None) -> list[RawSample]:
-    """The samples of `rows` (default: every alive row) of a decoded batch, in row order."""
-    rows = np.flatnonzero(host.alive) if rows is None else rows
-    counters = ("num_generated", "target_calls", "accepted", "tested")
+def samples_of(model: Model, host: DecodeState, scores: Sequence[float] | None = None) -> list[Sample]:
+    """`Sample`s of every row of `host` (a decoded batch's rows on the host, `state.to_host`), texts
+    decoded with `model`'s tokenizer in one batch."""
+    responses = [response(host, r) for r in range(len(host.alive))]
+    texts = text.decode_batch(model.tokenizer, responses)
+    scores = [None] * len(responses) if scores is None else [float(s) for s in scores]
     return [
-        RawSample(
-            prompt_id=int(host.prompt_id[r]),
-            sample_index=int(host.sample_id[r]),
-            tokens=host.response(r),
+        Sample(
+            token_ids=ids,
+            text=t,
+            score=s,
             finished=bool(host.finished[r]),
             logprob=float(host.logprob_sum[r]),
-            **{name: int(getattr(host, name)[r]) for name in counters},
+            index=int(host.sample_id[r]),
         )
-        for r in rows
+        for r, (ids, t, s) in enumerate(zip(responses, texts, scores, strict=True))
     ]
-
-
-def samples_of(
-    model: Model, raws: Sequence[RawSample], scores: Sequence[float] | None = None
-) -> list[Sample]:
-    """`Sample`s of decoded rows, texts decoded with `model`'s tokenizer in one batch."""
-    texts = text.decode_batch(model.tokenizer, [r.tokens for r in raws])
-    scores = [None] * len(raws) if scores is None else [float(s) for s in scores]
-    return [r.to_sample(t, s) for r, t, s in zip(raws, texts, scores, strict=True)]
 
 
 @dataclasses.dataclass
 class Run:
-    samples: list[list[RawSample]]
-    """Per prompt, its samples by sample index."""
+    rows: list[DecodeState]
+    """Per prompt, its decoded rows on the host (`state.to_host`; alive rows only) by sample index."""
     stats: list[dict[str, Any]]
     decode_s: float
     """Total decode-loop time of the call (compilation excluded)."""
@@ -257,59 +263,55 @@ def decode(sampler: Sampler, request: Request, *, num_samples: int, max_rows: in
     `compile_s`, `decode_s`, `token_forwards` by role), `batch_rows` and `kv_slots` (prompt + row cache
     slots of one model) of the batch it was decoded in. Compilation is timed apart so that `decode_s`
     measures decoding alone."""
-    prompts, target = request.encoded, sampler.target
-    capacity = bucket(request.max_new_tokens)
-    cache_capacity = capacity + sampler.headroom
-    run = Run([[] for _ in prompts], [{} for _ in prompts], 0.0)
+    parts: list[list[DecodeState]] = [[] for _ in request.encoded]
+    run = Run([], [{} for _ in request.encoded], 0.0)
     with sampler.on_mesh():
-        for start, P, G, R in batches(prompts, num_samples, max_rows, sampler.mesh):
-            chunk = prompts[start : start + P]
-            S = bucket(max(len(p) for p in chunk))
-            t0 = time.perf_counter()
-            tokens, mask = map(jnp.asarray, text.left_pad(chunk, P, S))
-            logits, prompt_caches = sampler.prefill(tokens, mask)
-            jax.block_until_ready(logits)
-            prefill_s = time.perf_counter() - t0
-            forwards = np.full(len(sampler.models), P * S)
-            compile_s = decode_s = 0.0
-            for first in range(0, num_samples, G):
-                rows = row_inputs(
-                    target, prompts=P, real_prompts=len(chunk), samples_per_prompt=R, live_per_prompt=G,
-                    first_sample=first, num_samples=num_samples, max_new_tokens=request.max_new_tokens,
-                    seed=request.seed, first_prompt_id=request.prompt_offset + start,
-                    stop_token_ids=request.stop_token_ids,
-                )  # fmt: skip
-                state = sampler.init_state(
-                    (logits, prompt_caches), capacity=capacity, cache_capacity=cache_capacity, **rows
-                )
-                t1 = time.perf_counter()
-                compiled = sampler.compiled_loop(state, prompt_caches)
-                t2 = time.perf_counter()
-                state = compiled(
-                    sampler.params, state, prompt_caches, sampler.contrast, pause_at=loop.NO_PAUSE
-                )
-                host = HostRows.read(state)
-                compile_s += t2 - t1
-                decode_s += time.perf_counter() - t2
-                forwards += host.forwards.astype(np.int64) * P * R
-                for raw in raw_samples(host):
-                    run.samples[raw.prompt_id - request.prompt_offset].append(raw)
-                run.shapes = jax.tree.map(
-                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state.rows, prompt_caches)
-                )
-                del state
-            run.decode_s += decode_s
-            for p in range(len(chunk)):
-                run.stats[start + p] = {
-                    "prefill_s": prefill_s / len(chunk),
-                    "compile_s": compile_s / len(chunk),
-                    "decode_s": decode_s / len(chunk),
-                    "token_forwards": {
-                        role: int(n) // len(chunk) for role, n in zip(sampler.roles, forwards, strict=True)
-                    },
-                    "batch_rows": P * R,
-                    "kv_slots": P * S + P * R * cache_capacity,
-                }
-    for rows in run.samples:
-        rows.sort(key=lambda r: r.sample_index)
+        for layouts in batches(request.encoded, num_samples, max_rows, sampler.mesh):
+            decode_batch(sampler, request, layouts, run, parts)
+    for part in parts:
+        rows = concat_rows(part)
+        run.rows.append(take_rows(rows, np.argsort(rows.sample_id, kind="stable")))
     return run
+
+
+def decode_batch(
+    sampler: Sampler, request: Request, layouts: list[Layout], run: Run, parts: list[list[DecodeState]]
+) -> None:
+    """One batch of `decode`: prefill its prompts, decode each chunk of samples to the end, and add
+    each prompt's rows to `parts` and its stats to `run`."""
+    first = layouts[0]
+    start, P, R, real = first.first_prompt, first.prompts, first.rows, first.real_prompts
+    t0 = time.perf_counter()
+    prefill = sampler.prefill_prompts(request.encoded[start : start + real], P)
+    jax.block_until_ready(prefill.logits)
+    prefill_s = time.perf_counter() - t0
+    forwards = np.full(len(sampler.models), prefill.positions)
+    compile_s = decode_s = 0.0
+    for layout in layouts:
+        state = sampler.start(prefill, layout, request)
+        t1 = time.perf_counter()
+        compiled = sampler.compiled_loop(state, prefill.caches)
+        t2 = time.perf_counter()
+        state = compiled(sampler.params, state, prefill.caches, sampler.contrast, pause_at=loop.NO_PAUSE)
+        host = to_host(state)
+        compile_s += t2 - t1
+        decode_s += time.perf_counter() - t2
+        forwards += host.forwards.astype(np.int64) * P * R
+        for p in range(real):
+            group = np.arange(p * R, (p + 1) * R)
+            parts[start + p].append(take_rows(host, group[host.alive[group]]))
+        run.shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state.rows, prefill.caches)
+        )
+        del state
+    run.decode_s += decode_s
+    cache_slots = P * R * (bucket(request.max_new_tokens) + sampler.headroom)
+    for p in range(real):
+        run.stats[start + p] = {
+            "prefill_s": prefill_s / real,
+            "compile_s": compile_s / real,
+            "decode_s": decode_s / real,
+            "token_forwards": {role: int(n) // real for role, n in zip(sampler.roles, forwards, strict=True)},
+            "batch_rows": P * R,
+            "kv_slots": prefill.positions + cache_slots,
+        }

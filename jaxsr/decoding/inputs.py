@@ -1,4 +1,5 @@
-"""Every decoding and search call's inputs, validated and encoded once: `prepare` → `Request`.
+"""Every decoding and search call's inputs, validated and encoded once: `prepare(models, prompts,
+Options(...))` → `Request`.
 
 Errors name the argument and what was expected. Prompts are strings (through the target's chat template
 when its tokenizer has one, unless `chat=False`) or lists of token ids (used as they are)."""
@@ -33,27 +34,31 @@ class Request:
     """Index of `prompts[0]` in a larger job: split or resumed jobs draw the same random streams."""
 
 
-def prepare(
-    models: Sequence[Model],
-    prompts: Any,
-    *,
-    max_new_tokens: Any,
-    sampling: Any,
-    seed: Any,
-    chat: bool | None,
-    stop_token_ids: Any,
-    prompt_offset: Any,
-) -> Request:
-    """Validate a call's arguments and encode its prompts with `models[0]`'s tokenizer; every model
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options every decoding and search entry point takes, as given (`prepare` checks them)."""
+
+    max_new_tokens: Any
+    sampling: Any = SamplingConfig()
+    seed: Any = 0
+    chat: bool | None = None
+    """Text prompts through the target's chat template (None: when its tokenizer has one)."""
+    stop_token_ids: Any = ()
+    prompt_offset: Any = 0
+    """Index of `prompts[0]` in a larger job: split or resumed jobs draw the same random streams."""
+
+
+def prepare(models: Sequence[Model], prompts: Any, options: Options) -> Request:
+    """Validate a call's options and encode its prompts with `models[0]`'s tokenizer; every model
     must fit the prompts plus `max_new_tokens` in its context."""
-    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
-    sampling = check_sampling(sampling)
-    seed = check_seed(seed)
+    max_new_tokens = check_positive_int("max_new_tokens", options.max_new_tokens)
+    sampling = check_sampling(options.sampling)
+    seed = check_seed(options.seed)
     target = models[0]
-    encoded = encode_prompts(target, prompts, chat=chat)
+    encoded = encode_prompts(target, prompts, chat=options.chat)
     for model in models:
         check_context(model, encoded, max_new_tokens)
-    stops, offset = check_row_ids(target, stop_token_ids, prompt_offset)
+    stops, offset = check_row_ids(target, options.stop_token_ids, options.prompt_offset)
     return Request(prompts, encoded, max_new_tokens, sampling, seed, tuple(stops), offset)
 
 

@@ -4,7 +4,7 @@ Research use, from your own code (`method` any `Method`; its models' graphs, par
 as tuples, the target first; `contrast` the traced weights of contrastive methods, else None)::
 
     logits, prompt = prefill(lm.graph, lm.params, tokens, mask)          # once per prompt and model
-    state = init_state((logits,), (prompt,), None, method=PlainSampling(cfg), samples_per_prompt=4, ...)
+    state = init_state((logits,), (prompt,), None, NewRows(...), method=PlainSampling(cfg), capacity=64)
     state = decode_loop((lm.graph,), (lm.params,), state, (prompt,), None, method=PlainSampling(cfg))
     state = compact(state, survivors, alive, cache_capacity=...)         # e.g. a search's rejection
     state = decode_loop(...)                                              # nothing is prefilled again
@@ -13,11 +13,12 @@ as tuples, the target first; `contrast` the traced weights of contrastive method
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from jaxsr.decoding.contrast import Contrast
 from jaxsr.decoding.sampling import draw, token_logprob
@@ -37,46 +38,58 @@ def prefill(graph: nnx.GraphDef, params: nnx.State, tokens: jax.Array, mask: jax
     return module.logits(hidden[:, -1]), cache.constrained()
 
 
-@partial(jax.jit, static_argnames=("method", "samples_per_prompt", "capacity", "cache_capacity"))
+@struct.dataclass
+class NewRows:
+    """The per-row inputs of a batch's new rows, grouped by prompt (B = P·G rows, G per prompt). A row's
+    (seed, prompt id, sample id) is its random stream, whatever the batch it is in."""
+
+    seed: jax.Array
+    """[] uint32 base seed."""
+    prompt_ids: jax.Array
+    """[P] int32 global prompt index of each group."""
+    sample_ids: jax.Array
+    """[B] int32 sample index of each row within its prompt."""
+    alive: jax.Array
+    """[B] bool: a real candidate (False for padding rows)."""
+    max_new_tokens: jax.Array
+    """[B] int32 per-row token budget."""
+    stop_ids: jax.Array
+    """[B, S] int32 ids that finish a row (-1 pads)."""
+
+
+@partial(jax.jit, static_argnames=("method", "capacity", "cache_capacity"))
 def init_state(
     last_logits: tuple[jax.Array, ...],
     prompts: tuple[PromptCache, ...],
     contrast: Contrast | None,
+    new: NewRows,
     *,
     method: Method,
-    samples_per_prompt: int,
     capacity: int,
     cache_capacity: int | None = None,
-    seed: jax.Array,
-    prompt_ids: jax.Array,
-    sample_ids: jax.Array,
-    alive: jax.Array,
-    max_new_tokens: jax.Array,
-    stop_ids: jax.Array,
 ) -> DecodeState:
-    """Rows for `samples_per_prompt` samples of each prompt, their first token drawn from the method's
-    scores of the prefills' last-position logits ([P, V] per model).
+    """Rows `new` for the prompts, their first token drawn from the method's scores of the prefills'
+    last-position logits ([P, V] per model).
 
-    `prompt_ids` is [P]; `sample_ids`, `alive`, `max_new_tokens` are [B = P·G]; `stop_ids` is [B, S].
     `capacity` is the token-buffer length (≥ the largest budget); `cache_capacity` the row-cache
     slots (default `capacity`; a row needs one slot per generated token after the first, plus the
     method's headroom)."""
     cache_capacity = capacity if cache_capacity is None else cache_capacity
-    G = samples_per_prompt
-    B = last_logits[0].shape[0] * G
+    B = new.sample_ids.shape[0]
+    G = B // last_logits[0].shape[0]
     zeros = jnp.zeros((B,), jnp.int32)
     state = DecodeState(
         tokens=jnp.zeros((B, capacity), jnp.int32),
         num_generated=zeros,
         finished=jnp.zeros((B,), bool),
-        done=~alive,
-        alive=alive,
+        done=~new.alive,
+        alive=new.alive,
         logprob_sum=jnp.zeros((B,), jnp.float32),
-        prompt_id=jnp.repeat(prompt_ids, G),
-        sample_id=sample_ids,
-        max_new_tokens=max_new_tokens,
-        stop_ids=stop_ids,
-        seed=jnp.asarray(seed, jnp.uint32),
+        prompt_id=jnp.repeat(new.prompt_ids, G),
+        sample_id=new.sample_ids,
+        max_new_tokens=new.max_new_tokens,
+        stop_ids=new.stop_ids,
+        seed=jnp.asarray(new.seed, jnp.uint32),
         rows=tuple(RowCache.empty_like(prompt, B, cache_capacity) for prompt in prompts),
         steps=jnp.zeros((), jnp.int32),
         forwards=jnp.zeros((len(prompts),), jnp.int32),
@@ -86,10 +99,22 @@ def init_state(
     )
     logits = tuple(jnp.repeat(z, G, axis=0) for z in last_logits)
     tokens = draw(keys_of(state), method.scores(logits, contrast), method.sampling)
-    return pin(record(state, tokens, token_logprob(logits[0], tokens), alive))
+    return pin(record(state, tokens, token_logprob(logits[0], tokens), new.alive))
 
 
-@partial(jax.jit, static_argnames=("graphs", "method"), donate_argnames=("state",))
+class Observer(Protocol):
+    """What a token loop records beside the tokens, step by step (a frozen, hashable dataclass: it is
+    part of the compiled program). The loop keeps the record in `DecodeState.observation` (set its
+    initial value before the loop) and runs the method's `advance`, which also returns each model's
+    logits at the position a token was drawn from. E.g. distillation keeps the teacher's top-k
+    log-probabilities at every generated index."""
+
+    def update(self, observation: Any, before: DecodeState, active: jax.Array, logits: tuple) -> Any:
+        """The record after a step that advanced `active` rows of `before` with these logits [B, V]."""
+        ...
+
+
+@partial(jax.jit, static_argnames=("graphs", "method", "observer"), donate_argnames=("state",))
 def decode_loop(
     graphs: Graphs,
     params: Params,
@@ -99,17 +124,22 @@ def decode_loop(
     *,
     method: Method,
     pause_at: jax.Array | None = None,
+    observer: Observer | None = None,
 ) -> DecodeState:
     """Step until every row is done (or has reached `pause_at` tokens). No host sync inside.
 
     A speculative step may carry a row past `pause_at` by up to γ tokens. `None` never pauses (a
-    program of its own); `NO_PAUSE` shares one compiled program with paused runs."""
+    program of its own); `NO_PAUSE` shares one compiled program with paused runs. An `observer`
+    updates `state.observation` after every step."""
     limit = jnp.iinfo(jnp.int32).max if pause_at is None else pause_at
 
     def running(s: DecodeState) -> jax.Array:
         return (~s.done & (s.num_generated < limit)).any()
 
     def body(s: DecodeState) -> DecodeState:
-        return pin(method.step(graphs, params, s, prompts, contrast, limit))
+        if observer is None:
+            return pin(method.step(graphs, params, s, prompts, contrast, limit))
+        after, logits = method.advance(graphs, params, s, prompts, contrast, limit)
+        return pin(after.replace(observation=observer.update(s.observation, s, s.active(limit), logits)))
 
     return jax.lax.while_loop(running, body, state)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,8 @@ class DecodeState:
     """[B] int32 draft tokens accepted (speculative methods)."""
     tested: jax.Array
     """[B] int32 draft tokens put to the acceptance test (accepted + rejected)."""
+    observation: Any = None
+    """What a loop's observer records step by step (`loop.Observer`); None without one."""
 
     def active(self, pause_at: jax.Array | int) -> jax.Array:
         """[B] rows a step advances: not done and short of `pause_at` tokens."""
@@ -75,10 +78,9 @@ class DecodeState:
         return self.replace(rows=tuple(r.replace(length=length) for r in rows))
 
 
-PER_ROW = (
-    "tokens", "num_generated", "finished", "done", "alive", "logprob_sum", "prompt_id", "sample_id",
-    "max_new_tokens", "stop_ids", "target_calls", "accepted", "tested",
-)  # fmt: skip
+SHARED = ("seed", "rows", "steps", "forwards", "observation")
+"""Fields that are not one entry per row: every other field of `DecodeState` is [B, ...]."""
+PER_ROW = tuple(f.name for f in dataclasses.fields(DecodeState) if f.name not in SHARED)
 
 
 def record(state: DecodeState, tokens: jax.Array, logp: jax.Array, active: jax.Array) -> DecodeState:
@@ -113,47 +115,30 @@ def compact(state: DecodeState, index: jax.Array, alive: jax.Array, *, cache_cap
 
     Rows attend to the prompt cache of their group (row b to prompt b // G), so the gather must keep
     each row in its prompt's group."""
-    gathered = {name: getattr(state, name)[index] for name in PER_ROW}
-    gathered["done"] = gathered["done"] | ~alive
-    gathered["alive"] = alive
+    gathered = take_rows(state, index)
     rows = tuple(r.take(index, cache_capacity) for r in state.rows)
-    return pin(state.replace(**gathered, rows=rows))
+    return pin(gathered.replace(done=gathered.done | ~alive, alive=alive, rows=rows))
 
 
-@dataclasses.dataclass
-class HostRows:
-    """The per-row fields of a decode state, copied to the host in one transfer."""
+def take_rows(state: DecodeState, rows: Any) -> DecodeState:
+    """The state's per-row fields at `rows` (an index array or a slice; on device or on the host), the
+    shared fields (caches included) as they are."""
+    return state.replace(**{name: getattr(state, name)[rows] for name in PER_ROW})
 
-    tokens: np.ndarray
-    num_generated: np.ndarray
-    finished: np.ndarray
-    done: np.ndarray
-    alive: np.ndarray
-    logprob_sum: np.ndarray
-    prompt_id: np.ndarray
-    sample_id: np.ndarray
-    target_calls: np.ndarray
-    accepted: np.ndarray
-    tested: np.ndarray
-    steps: int
-    forwards: np.ndarray
 
-    @classmethod
-    def read(cls, state: DecodeState) -> HostRows:
-        names = [f.name for f in dataclasses.fields(cls)]
-        values = jax.device_get([getattr(state, name) for name in names])
-        host = cls(**dict(zip(names, values, strict=True)))
-        host.steps = int(host.steps)
-        return host
+def to_host(state: DecodeState) -> DecodeState:
+    """The state without its caches, every field a numpy array on the host, in one transfer: what the
+    host reads of a decoded batch (responses, counters, acceptance)."""
+    host = jax.device_get(state.replace(rows=(), observation=None))
+    return host.replace(steps=int(host.steps))
 
-    def take(self, rows: slice) -> HostRows:
-        """These rows' fields (the counters stay the state's)."""
-        counters = ("steps", "forwards")
-        per_row = {
-            f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self) if f.name not in counters
-        }
-        return dataclasses.replace(self, **per_row)
 
-    def response(self, row: int) -> list[int]:
-        """Row `row`'s generated tokens without its stop token."""
-        return self.tokens[row, : int(self.num_generated[row]) - bool(self.finished[row])].tolist()
+def response(host: DecodeState, row: int) -> list[int]:
+    """Row `row`'s generated tokens without its stop token (`host` from `to_host`)."""
+    return host.tokens[row, : int(host.num_generated[row]) - bool(host.finished[row])].tolist()
+
+
+def concat_rows(hosts: list[DecodeState]) -> DecodeState:
+    """Host states' rows one after another (their token buffers of one width); counters the first's."""
+    first = hosts[0]
+    return first.replace(**{name: np.concatenate([getattr(h, name) for h in hosts]) for name in PER_ROW})

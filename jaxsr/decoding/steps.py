@@ -65,6 +65,11 @@ class Method:
         """Advance every active row short of `pause_at` tokens (pure: no host sync)."""
         raise NotImplementedError
 
+    def advance(self, graphs, params, state, prompts, contrast, pause_at) -> tuple[DecodeState, tuple]:
+        """`step`, also returning each model's logits [B, V] at the position its token was drawn from
+        (what an observer of the loop records): methods that commit one token per step."""
+        raise TypeError(f"{type(self).__name__} commits several tokens per step: no logits to observe")
+
 
 def forward(
     graph: nnx.GraphDef,
@@ -104,8 +109,6 @@ class PlainSampling(Method):
         return self.advance(graphs, params, state, prompts, contrast, pause_at)[0]
 
     def advance(self, graphs, params, state, prompts, contrast, pause_at):
-        """`step`, also returning each model's logits [B, V] at the position it sampled from (what a
-        caller may record beside the tokens, e.g. a teacher's distribution for distillation)."""
         active = state.active(pause_at)
         index, last = state.last_tokens()
         outputs = [

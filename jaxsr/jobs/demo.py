@@ -33,8 +33,8 @@ from jaxsr.data import read_prompts
 from jaxsr.decoding.api import contrastive_decode, speculative_contrastive_decode
 from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.jobs.methods import resolve_model, resolve_reward
 from jaxsr.ladder import bucket
+from jaxsr.loading.resolve import resolve_model, resolve_reward
 from jaxsr.results import Result
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.speculative_rejection import check_rejection_rate, speculative_rejection

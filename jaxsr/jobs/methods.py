@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
-
-import jax
-from jax.sharding import Mesh
 
 from jaxsr.checks import check_positive_int
 from jaxsr.decoding.api import (
@@ -21,16 +17,15 @@ from jaxsr.decoding.api import (
     speculative_decoder,
 )
 from jaxsr.decoding.driver import DEFAULT_MAX_ROWS
-from jaxsr.decoding.inputs import prepare
+from jaxsr.decoding.inputs import Options, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
-from jaxsr.loading.api import load_model, load_reward_model
+from jaxsr.loading.resolve import mesh_from_keys, resolve_model, resolve_reward
 from jaxsr.models.model import Model
-from jaxsr.rewards import Reward, SelfLikelihood, as_reward
+from jaxsr.rewards import Reward
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.candidates import check_reward
 from jaxsr.search.speculative_rejection import speculative_rejection
-from jaxsr.sharding import make_mesh
 
 Solve = Callable[[list[str], int], list[dict[str, Any]]]
 
@@ -63,61 +58,9 @@ DECODER_BUILDERS: dict[str, Callable[..., Any]] = {
 }
 
 
-def job_mesh(config: Any) -> Mesh | None:
-    """The mesh a config's `mesh_data` / `mesh_model` ask for over this host's devices (each host of a
-    multi-host job runs its own)."""
-    if config.mesh_data is None and config.mesh_model == 1:
-        return None
-    data = 1 if config.mesh_data is None else config.mesh_data
-    try:
-        return make_mesh(data=data, model=config.mesh_model, devices=jax.local_devices())
-    except ValueError as e:
-        raise ValueError(f"mesh_data / mesh_model: {e}") from None
-
-
-@contextlib.contextmanager
-def _config_key(key: str) -> Iterator[None]:
-    """Loading errors name the config key whose value failed to load (`reward: source: ...`)."""
-    try:
-        yield
-    except (ValueError, TypeError, OSError) as e:
-        raise ValueError(f"{key}: {e}") from e
-
-
-def resolve_model(name: str, dtype: str, mesh: Mesh | None = None, key: str = "model") -> Model:
-    """`smollm2` names the embedded SmolLM2-135M-Instruct and `smollm2-draft` its shipped draft/amateur;
-    anything else goes to `load_model`. Errors name the config `key`."""
-    with _config_key(key):
-        if name == "smollm2":
-            from jaxsr.loading.gguf import smollm2_path
-
-            return load_model(smollm2_path(), dtype=dtype, mesh=mesh)
-        if name == "smollm2-draft":
-            from jaxsr.loading.embedded import smollm2_draft_path
-
-            return load_model(smollm2_draft_path(), dtype=dtype, mesh=mesh)
-        return load_model(name, dtype=dtype, mesh=mesh)
-
-
-def resolve_reward(name: str | None, dtype: str, mesh: Mesh | None = None) -> Reward:
-    """`self_likelihood`, `minilm` (the embedded all-MiniLM-L6-v2), or a reward-model checkpoint."""
-    if name is None:
-        raise ValueError(
-            "reward: best_of_n and speculative_rejection need a reward (self_likelihood, minilm, or a path)"
-        )
-    if name in ("self_likelihood", "neg_perplexity"):
-        return SelfLikelihood("mean_logprob" if name == "self_likelihood" else "neg_perplexity")
-    with _config_key("reward"):
-        if name == "minilm":
-            from jaxsr.loading.encoder import load_encoder, minilm_path
-
-            return as_reward(load_encoder(minilm_path(), dtype=dtype, mesh=mesh))
-        return as_reward(load_reward_model(name, dtype=dtype, mesh=mesh))
-
-
 def build_solver(config: JobConfig) -> Solver:
     """The job's method over its loaded models."""
-    mesh = job_mesh(config)
+    mesh = mesh_from_keys(config)
     model = resolve_model(config.model, config.dtype, mesh)
     models: tuple[Model, ...] = (model,)
     reward: Reward | None = None
@@ -174,7 +117,7 @@ def build_solver(config: JobConfig) -> Solver:
 
     def check(prompts: list[str]) -> None:
         try:
-            prepare(models, prompts, stop_token_ids=(), prompt_offset=0, **common)
+            prepare(models, prompts, Options(**common))
             if reward is not None:
                 check_reward(reward, models[0], prompts)
         except (ValueError, TypeError) as e:

@@ -13,20 +13,18 @@ when all are done process 0 merges the parts into the output (in prompt order) a
 output's directory must be one that every host sees.
 
 One job per output: a running job holds an exclusive lock on each file it writes (`x.jsonl.lock` beside
-it, taken before any model is loaded); a second job on the same output is refused at once, naming the
-holder. The operating system releases the lock when the process dies, so a killed job resumes.
+it, taken before any model is loaded; see `jaxsr.locks`); a second job on the same output is refused at
+once, naming the holder. The operating system releases the lock when the process dies, so a killed job
+resumes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import glob
 import json
 import os
-import socket
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +37,7 @@ from tqdm.auto import tqdm
 from jaxsr.data import read_prompts
 from jaxsr.jobs.config import JobConfig
 from jaxsr.jobs.methods import Solve, Solver
+from jaxsr.locks import holding
 
 
 def job_file(output: Path) -> Path:
@@ -175,56 +174,6 @@ class JsonlOutput:
         self.job_path.unlink(missing_ok=True)
 
 
-def lock_path(output: Path) -> Path:
-    return output.with_name(output.name + ".lock")
-
-
-@contextlib.contextmanager
-def holding(output: Path) -> Iterator[None]:
-    """Hold the exclusive lock of `output` for the block (see the module docstring). Refuses with a
-    ValueError naming the holder when another process holds it, or naming the path when the output
-    cannot be written there."""
-    for path in (output, job_file(output)):
-        if path.is_dir():
-            raise ValueError(f"output: {path} is a directory; give a .jsonl file path")
-        if path.exists() and not path.is_file():  # a FIFO, a device (a link to one)
-            raise ValueError(f"output: {path} is not a regular file")
-    path = lock_path(output)
-    created = [p for p in (output.parent, *output.parent.parents) if not p.exists()]
-    while True:
-        try:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise ValueError(f"output: cannot write beside {output} ({e.strerror})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise ValueError(
-                f"output: {output} is being written by another job ({holder}); wait for it to end or "
-                "choose another output"
-            ) from None
-        try:  # the holder before us may have removed the file after we opened it: lock the new one
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%F %T')}".encode())
-        yield
-    finally:
-        path.unlink(missing_ok=True)  # while still holding it, so no one locks a file about to vanish
-        os.close(fd)
-        for directory in created:  # folders made for a job that wrote nothing go again
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-
-
 def chunks(indices: list[int], size: int) -> Iterator[list[int]]:
     for start in range(0, len(indices), size):
         yield indices[start : start + size]
@@ -242,9 +191,10 @@ def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress
     output_path, process, processes = Path(config.output), jax.process_index(), jax.process_count()
     with contextlib.ExitStack() as held:
         if process == 0:
-            held.enter_context(holding(output_path))
+            held.enter_context(holding(output_path, beside=[job_file(output_path)]))
         if processes > 1:
-            held.enter_context(holding(part_path(output_path, process, processes)))
+            part = part_path(output_path, process, processes)
+            held.enter_context(holding(part, beside=[job_file(part)]))
         prompts = read_prompts(config.data, config.limit)
         output = JsonlOutput(output_path, config)
         if output.done and max(output.done) >= len(prompts):

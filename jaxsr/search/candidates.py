@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,9 +38,10 @@ def check_reward(
     if encoded and not type(reward).__module__.startswith("jaxsr."):
         ids = encoded[0]
         stand_ins = [ids[-1:], ids[-2:]]
-        lengths = np.array([len(r) for r in stand_ins])
+        texts = text.decode_batch(model.tokenizer, stand_ins)
+        samples = [Sample(r, t, logprob=0.0) for r, t in zip(stand_ins, texts, strict=True)]
         try:
-            score_rows(model, reward, prompts[0], ids, stand_ins, np.zeros(len(stand_ins)), lengths)
+            score_samples(model, reward, prompts[0], ids, samples)
         except ValueError as e:
             raise ValueError(f"{e} (tried before decoding on two stand-in responses to prompts[0])") from None
 
@@ -63,33 +65,31 @@ def score_ids(scorer: TokenScorer, token_lists: list[list[int]], max_new_tokens:
     return np.asarray(scorer(tokens, lengths), np.float64)[: len(token_lists)]
 
 
-def score_rows(
+def score_samples(
     model: Model,
     reward: Reward,
     prompt: str | list[int],
     prompt_ids: list[int],
-    token_lists: list[list[int]],
-    logprob_sum: np.ndarray,
-    num_tokens: np.ndarray,
+    samples: list[Sample],
     scores: np.ndarray | None = None,
-) -> tuple[np.ndarray, list[str]]:
-    """Reward of each (partial) response (unless already scored on device), and the decoded texts."""
-    texts = text.decode_batch(model.tokenizer, token_lists)
-    if scores is not None:
-        return check_scores(reward, scores, len(token_lists)), texts
-    candidates = Candidates(
-        prompt_text=prompt_text(model, prompt),
-        prompt_ids=prompt_ids,
-        token_ids=token_lists,
-        texts=texts,
-        logprob_sum=np.asarray(logprob_sum, np.float64),
-        num_tokens=np.asarray(num_tokens),
-    )
-    try:
-        scores = reward.score(candidates) if token_lists else np.zeros(0)
-    except Exception as e:  # whatever a user's reward raises: the search names the reward
-        raise ValueError(f"reward: {reward.name} raised {type(e).__name__}: {e}") from e
-    return check_scores(reward, scores, len(token_lists)), texts
+) -> list[Sample]:
+    """The (partial) responses with their reward: `scores` where they were scored on device, else
+    the reward's score of each."""
+    if scores is None:
+        candidates = Candidates(
+            prompt_text=prompt_text(model, prompt),
+            prompt_ids=prompt_ids,
+            token_ids=[s.token_ids for s in samples],
+            texts=[s.text for s in samples],
+            logprob_sum=np.array([s.logprob for s in samples], np.float64),
+            num_tokens=np.array([len(s.token_ids) + s.finished for s in samples]),  # stop token included
+        )
+        try:
+            scores = reward.score(candidates) if samples else np.zeros(0)
+        except Exception as e:  # whatever a user's reward raises: the search names the reward
+            raise ValueError(f"reward: {reward.name} raised {type(e).__name__}: {e}") from e
+    scores = check_scores(reward, scores, len(samples))
+    return [dataclasses.replace(s, score=float(x)) for s, x in zip(samples, scores, strict=True)]
 
 
 def check_scores(reward: Reward, scores: Any, count: int) -> np.ndarray:

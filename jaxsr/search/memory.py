@@ -1,13 +1,18 @@
-"""KV memory budgets: token slots of one model's cache, from an int, a size string, or the device."""
+"""KV memory: budgets as token slots (from an int, a size string, or the device) and what a search
+does with them — Speculative Rejection's plan (first batch, batch ladder, each rung's cache length) and
+the rows a Best-of-N batch may take."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
 from jaxsr.checks import available_bytes, device_free_bytes, format_bytes, is_int
+from jaxsr.decoding.driver import Sampler
+from jaxsr.ladder import bucket
 
 _UNITS = {
     "": 1,
@@ -23,6 +28,7 @@ _UNITS = {
 }
 MAX_BYTES = 2**62  # a budget past this is a typo: no machine holds it, and sizes must stay int64
 DEVICE_HEADROOM = 0.9  # share of free accelerator memory the KV cache may take
+SLOT_ALIGN = 8  # the first rung's row-cache length is a multiple of this (fewer shapes across budgets)
 
 
 def parse_bytes(text: str) -> int:
@@ -81,3 +87,95 @@ def budget_slots(
             f"{devices[0].platform} has {format_bytes(available)} available; give a smaller memory_budget"
         )
     return slots
+
+
+def prompt_budget(
+    sampler: Sampler, memory_budget: Any, prompt_slots: int, max_new_tokens: int, n: int | None, copies: int
+) -> int:
+    """One prompt's search budget in slots of all of the sampler's caches, `copies` prompts in flight:
+    `memory_budget` as given, or a share of the device's free memory, or (on CPU) n full rows."""
+    fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
+    budget = budget_slots(memory_budget, sampler.slot_bytes, fallback, sampler.mesh, copies=copies)
+    if memory_budget is None and fallback is None:
+        budget //= copies  # derived from the device: shared by the prompts in flight
+    return budget
+
+
+def batch_ladder(first: int, rejection_rate: float) -> list[int]:
+    """B0, round((1-α)·B0), … down to 1: the rows the keep rule leaves when no response has finished.
+    Where the rule would not shrink a rung (small rungs, small α) the next is one row less; α=0 is
+    one rung."""
+    rungs = [first]
+    while rungs[-1] > 1 and rejection_rate > 0:
+        rungs.append(min(rungs[-1] - 1, max(1, round((1 - rejection_rate) * rungs[-1]))))
+    return rungs
+
+
+class MemoryPlan:
+    """Memory plan for one prompt's Speculative Rejection: first batch, ladder, and each rung's
+    row-cache length. A row of a rung takes `capacity(rows)` slots for its segment plus `headroom`
+    look-ahead slots."""
+
+    def __init__(
+        self,
+        budget: int,
+        prompt_slots: int,
+        max_new_tokens: int,
+        n: int | None,
+        rate: float,
+        min_segment: int,
+        headroom: int = 0,
+    ):
+        self.budget, self.prompt_slots, self.headroom = budget, prompt_slots, headroom
+        self.max_new_tokens, self.max_slots = max_new_tokens, bucket(max_new_tokens)
+        room = budget - prompt_slots
+        # the first segment is a whole multiple of SLOT_ALIGN (see `capacity`): round the minimum up
+        if min_segment > SLOT_ALIGN:
+            min_segment = min(-(-min_segment // SLOT_ALIGN) * SLOT_ALIGN, max(self.max_slots, SLOT_ALIGN))
+        per_row = min_segment + headroom
+        if room < per_row:
+            raise ValueError(
+                f"memory_budget: {budget} KV slots cannot hold one row (prompt {prompt_slots} + "
+                f"first segment {min_segment} + look-ahead {headroom})"
+            )
+        first = n if n is not None else room // per_row
+        if first * per_row > room:
+            raise ValueError(
+                f"memory_budget: {budget} KV slots cannot start n={first} rows "
+                f"({prompt_slots} prompt + {first}×{per_row} first-segment and look-ahead slots)"
+            )
+        self.ladder = batch_ladder(first, rate)
+
+    def capacity(self, rows: int) -> int:
+        """Segment slots per row at a rung of `rows` rows (the headroom comes on top). The first rung's
+        is a multiple of SLOT_ALIGN (fewer compiled shapes across budgets); later rungs take every slot
+        the budget allows, so that rows kept there grow whenever the memory can hold them."""
+        room = (self.budget - self.prompt_slots) // rows - self.headroom
+        if rows == self.ladder[0] and room >= SLOT_ALIGN:
+            room = room // SLOT_ALIGN * SLOT_ALIGN
+        return min(self.max_slots, room)
+
+    def next_rung(self, survivors: int, generated: int) -> int | None:
+        """Smallest rung ≥ survivors whose cache can grow past `generated`; else the widest that can."""
+        fitting = [b for b in self.ladder if self.capacity(b) >= generated]
+        if not fitting:
+            return None
+        wide_enough = [b for b in fitting if b >= survivors]
+        return min(wide_enough) if wide_enough else max(fitting)
+
+
+def best_of_n_rows(
+    sampler: Sampler, memory_budget: Any, encoded: list[list[int]], n: int, max_new_tokens: int
+) -> int:
+    """The rows one Best-of-N batch may decode within `memory_budget` (a power of two), prompt caches
+    included: n samples of a prompt in chunks when a batch cannot hold them all, several prompts
+    (each with its own prompt cache) when it holds more."""
+    slots = budget_slots(memory_budget, sampler.slot_bytes, mesh=sampler.mesh)
+    per_row = bucket(max_new_tokens) + sampler.headroom
+    prompt_slots = bucket(max(map(len, encoded)))
+    if slots < prompt_slots + per_row:
+        raise ValueError(f"memory_budget: {slots} KV slots cannot hold one row ({prompt_slots + per_row})")
+    max_rows = max(1, 1 << ((slots - prompt_slots) // per_row).bit_length() - 1)
+    samples = min(n, max_rows)
+    prompts_per_batch = max(1, slots // (prompt_slots + samples * per_row))
+    return min(max_rows, samples * (1 << (prompts_per_batch.bit_length() - 1)))

@@ -36,20 +36,18 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxsr import text
+from jaxsr.configs import check_field_types, check_mesh_keys, load_config
 from jaxsr.data import read_prompts
 from jaxsr.decoding.api import generate
-from jaxsr.decoding.driver import as_sampler, batches, row_inputs
-from jaxsr.decoding.inputs import Request, prepare
+from jaxsr.decoding.driver import Layout, as_sampler, batches
+from jaxsr.decoding.inputs import Options, Request, prepare
 from jaxsr.decoding.loop import NO_PAUSE
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.decoding.state import HostRows, pin
-from jaxsr.decoding.steps import PlainSampling
-from jaxsr.jobs.config import check_field_types, check_mesh_keys, load_config
-from jaxsr.jobs.methods import job_mesh, resolve_model
-from jaxsr.jobs.runner import holding
+from jaxsr.decoding.state import DecodeState, to_host
 from jaxsr.ladder import bucket
 from jaxsr.loading.api import DTYPES, save_model
+from jaxsr.loading.resolve import mesh_from_keys, resolve_model
+from jaxsr.locks import holding
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model
@@ -175,43 +173,45 @@ class LabelledExample(Example):
     ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 0), np.int32))
 
 
-@partial(jax.jit, static_argnames=("graph", "method", "k"), donate_argnames=("state",))
-def labelled_decode(graph, params, state, prompt, first_logits, *, method: PlainSampling, k: int):
-    """Decode every row to its end with `method` (plain sampling), recording at each generated index
-    the k largest raw log-probabilities of the distribution the token came from, and their ids:
-    (state, values [B, N, k] float32, ids [B, N, k] int32). `first_logits` [P, V] are the prefill's
-    last-position logits, which drew every row's first token."""
-    B, N = state.tokens.shape
-    rows = jnp.arange(B)
+@dataclasses.dataclass(frozen=True)
+class TeacherLabels:
+    """An observer of the token loop (`loop.Observer`): at every generated index, the k largest raw
+    log-probabilities of the distribution the token was drawn from, and their ids — the observation
+    is (values [B, N, k] float32, ids [B, N, k] int32)."""
 
-    def top(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    k: int
 
-    first_values, first_ids = top(jnp.repeat(first_logits, B // first_logits.shape[0], axis=0))
-    values = jnp.full((B, N, k), FILL_LOGPROB, jnp.float32).at[:, 0].set(first_values)
-    ids = jnp.zeros((B, N, k), jnp.int32).at[:, 0].set(first_ids)
+    def top(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), self.k)
 
-    def running(carry) -> jax.Array:
-        return (~carry[0].done).any()
+    def start(self, state: DecodeState, first_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The observation before the loop: index 0 holds the prefill's last-position distribution
+        (`first_logits` [P, V]), which drew every row's first token."""
+        B, N = state.tokens.shape
+        first_values, first_ids = self.top(jnp.repeat(first_logits, B // first_logits.shape[0], axis=0))
+        values = jnp.full((B, N, self.k), FILL_LOGPROB, jnp.float32).at[:, 0].set(first_values)
+        return values, jnp.zeros((B, N, self.k), jnp.int32).at[:, 0].set(first_ids)
 
-    def body(carry):
-        s, values, ids = carry
-        at = jnp.where(s.active(NO_PAUSE), s.num_generated, N)  # the index this step draws; else dropped
-        s, logits = method.advance((graph,), (params,), s, (prompt,), None, NO_PAUSE)
-        v, i = top(logits[0])
-        return pin(s), values.at[rows, at].set(v, mode="drop"), ids.at[rows, at].set(i, mode="drop")
+    def update(self, observation, before: DecodeState, active: jax.Array, logits: tuple):
+        values, ids = observation
+        B, N = before.tokens.shape
+        at = jnp.where(active, before.num_generated, N)  # the index this step drew; else dropped
+        v, i = self.top(logits[0])
+        rows = jnp.arange(B)
+        return values.at[rows, at].set(v, mode="drop"), ids.at[rows, at].set(i, mode="drop")
 
-    return jax.lax.while_loop(running, body, (state, values, ids))
+
+@partial(jax.jit, static_argnums=0)
+def start_labels(labels: TeacherLabels, state: DecodeState, first_logits: jax.Array) -> DecodeState:
+    return state.replace(observation=labels.start(state, first_logits))
 
 
 def teacher_request(
     teacher: Model, prompts: list[str], config: DistillConfig, first_prompt_id: int
 ) -> Request:
     """The prompts encoded and the sampling checked, as every decoding call does it."""
-    return prepare(
-        (teacher,), prompts, max_new_tokens=config.max_new_tokens, sampling=config.sampling(),
-        seed=config.seed, chat=config.chat, stop_token_ids=(), prompt_offset=first_prompt_id,
-    )  # fmt: skip
+    options = Options(config.max_new_tokens, config.sampling(), config.seed, config.chat, (), first_prompt_id)
+    return prepare((teacher,), prompts, options)
 
 
 def write_chunks(
@@ -227,39 +227,37 @@ def write_chunks(
     """Sample `samples_per_prompt` labelled responses to each prompt of `request`, one .npz per
     sampling batch (`name-<first prompt>.npz`); batches already on disk are skipped, so a killed run
     resumes."""
-    first_prompt_id = request.prompt_offset
     sampler = as_sampler(teacher, request.sampling)
-    capacity = bucket(request.max_new_tokens)
+    labels = TeacherLabels(config.label_top_k)
     directory.mkdir(parents=True, exist_ok=True)
     plan = list(batches(request.encoded, samples_per_prompt, config.rows_per_batch, sampler.mesh))
     paths = []
     with sampler.on_mesh():
-        for start, P, G, R in tqdm(plan, desc=f"teacher samples ({name})", disable=not progress):
-            path = directory / f"{name}-{start:06d}.npz"
-            paths.append(path)
-            if path.exists():
+        for layouts in tqdm(plan, desc=f"teacher samples ({name})", disable=not progress):
+            todo = [(layout, _chunk_path(directory, name, layout)) for layout in layouts]
+            paths += [path for _, path in todo]
+            todo = [(layout, path) for layout, path in todo if not path.exists()]
+            if not todo:
                 continue
-            chunk = request.encoded[start : start + P]
-            tokens, mask = map(jnp.asarray, text.left_pad(chunk, P, bucket(max(map(len, chunk)))))
-            logits, caches = sampler.prefill(tokens, mask)
-            rows = row_inputs(
-                teacher, prompts=P, real_prompts=len(chunk), samples_per_prompt=R, live_per_prompt=G,
-                first_sample=0, num_samples=samples_per_prompt, max_new_tokens=request.max_new_tokens,
-                seed=request.seed, first_prompt_id=first_prompt_id + start, stop_token_ids=(),
-            )  # fmt: skip
-            state = sampler.init_state((logits, caches), capacity=capacity, **rows)
-            state, values, ids = labelled_decode(
-                teacher.graph, teacher.params, state, caches[0], logits[0],
-                method=sampler.method, k=config.label_top_k,
-            )  # fmt: skip
-            _write_chunk(
-                path, chunk, start, first_prompt_id, HostRows.read(state), *jax.device_get((values, ids))
-            )
+            start, real = layouts[0].first_prompt, layouts[0].real_prompts
+            chunk = request.encoded[start : start + real]
+            prefill = sampler.prefill_prompts(chunk, layouts[0].prompts)
+            for layout, path in todo:
+                state = start_labels(labels, sampler.start(prefill, layout, request), prefill.logits[0])
+                state = sampler.decode_loop(state, prefill.caches, NO_PAUSE, observer=labels)
+                host, observed = to_host(state), jax.device_get(state.observation)
+                _write_chunk(path, chunk, start, request.prompt_offset, host, *observed)
     return paths
 
 
+def _chunk_path(directory: Path, name: str, layout: Layout) -> Path:
+    """`name-<first prompt>.npz`, and the first sample's index where a prompt's samples take several."""
+    more = f"-{layout.first_sample:04d}" if layout.first_sample else ""
+    return directory / f"{name}-{layout.first_prompt:06d}{more}.npz"
+
+
 def _write_chunk(
-    path: Path, prompts: list[list[int]], start: int, offset: int, host: HostRows, values, ids
+    path: Path, prompts: list[list[int]], start: int, offset: int, host: DecodeState, values, ids
 ) -> None:
     """One batch's alive rows as flat arrays, written to a temporary name and renamed into place."""
     seqs, prompt_lengths, label_rows = [], [], []
@@ -509,7 +507,7 @@ def distill(config: DistillConfig, *, progress: bool = True) -> Path:
         raise ValueError(f"output_dir: {output} exists and is not a directory")
     train_prompts, held_prompts = split_prompts(config)
     with holding(output / "distill"):
-        mesh = job_mesh(config)
+        mesh = mesh_from_keys(config)
         teacher = resolve_model(config.teacher, "float32", mesh, key="teacher")
         max_length = min(config.max_length, teacher.config.context)  # no sequence is longer than its context
         walls: dict[str, float] = {}

@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
-from jaxsr.jobs.config import content_fingerprint
+from jaxsr.configs import content_fingerprint
 from jaxsr.loading.api import DTYPES
 from jaxsr.sharding import logical_to_spec, on_mesh
 from jaxsr.training.checkpoints import Checkpoints

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsr.jobs.config import check_field_types, check_mesh_keys, load_config
-from jaxsr.jobs.methods import job_mesh, resolve_model
-from jaxsr.jobs.runner import holding
+from jaxsr.configs import check_field_types, check_mesh_keys, load_config
 from jaxsr.loading.api import save_model
+from jaxsr.loading.resolve import mesh_from_keys, resolve_model
+from jaxsr.locks import holding
 from jaxsr.training.data import (
     SELECTIONS,
     Example,
@@ -142,7 +142,7 @@ def sft(config: SFTConfig, *, progress: bool = True) -> Path:
     if not pairs:
         raise ValueError(f"data: {config.data}: no response selected ({_selection(config)})")
     with holding(output / "sft"):
-        mesh = job_mesh(config)
+        mesh = mesh_from_keys(config)
         model = resolve_model(config.model, "float32", mesh)
         if model.config.head_token_ids is not None:  # its loss would be infinite at any other id
             raise ValueError(

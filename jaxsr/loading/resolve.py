@@ -1,0 +1,69 @@
+"""Models and rewards named in a config (a job's `model` / `draft` / `reward`, a fine-tuning run's
+`model` / `teacher`) loaded onto the mesh its `mesh_data` / `mesh_model` keys ask for; loading errors
+name the config key whose value failed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from jaxsr.loading.api import load_model, load_reward_model
+from jaxsr.models.model import Model
+from jaxsr.rewards import Reward, SelfLikelihood, as_reward
+from jaxsr.sharding import make_mesh
+
+
+def mesh_from_keys(config: Any) -> Mesh | None:
+    """The mesh a config's `mesh_data` / `mesh_model` ask for over this host's devices (each host of a
+    multi-host job or run builds its own); None when they ask for one device."""
+    if config.mesh_data is None and config.mesh_model == 1:
+        return None
+    data = 1 if config.mesh_data is None else config.mesh_data
+    try:
+        return make_mesh(data=data, model=config.mesh_model, devices=jax.local_devices())
+    except ValueError as e:
+        raise ValueError(f"mesh_data / mesh_model: {e}") from None
+
+
+@contextlib.contextmanager
+def _config_key(key: str) -> Iterator[None]:
+    """Loading errors name the config key whose value failed to load (`reward: source: ...`)."""
+    try:
+        yield
+    except (ValueError, TypeError, OSError) as e:
+        raise ValueError(f"{key}: {e}") from e
+
+
+def resolve_model(name: str, dtype: str, mesh: Mesh | None = None, key: str = "model") -> Model:
+    """`smollm2` names the embedded SmolLM2-135M-Instruct and `smollm2-draft` its shipped draft/amateur;
+    anything else goes to `load_model`. Errors name the config `key`."""
+    with _config_key(key):
+        if name == "smollm2":
+            from jaxsr.loading.gguf import smollm2_path
+
+            return load_model(smollm2_path(), dtype=dtype, mesh=mesh)
+        if name == "smollm2-draft":
+            from jaxsr.loading.embedded import smollm2_draft_path
+
+            return load_model(smollm2_draft_path(), dtype=dtype, mesh=mesh)
+        return load_model(name, dtype=dtype, mesh=mesh)
+
+
+def resolve_reward(name: str | None, dtype: str, mesh: Mesh | None = None) -> Reward:
+    """`self_likelihood`, `minilm` (the embedded all-MiniLM-L6-v2), or a reward-model checkpoint."""
+    if name is None:
+        raise ValueError(
+            "reward: best_of_n and speculative_rejection need a reward (self_likelihood, minilm, or a path)"
+        )
+    if name in ("self_likelihood", "neg_perplexity"):
+        return SelfLikelihood("mean_logprob" if name == "self_likelihood" else "neg_perplexity")
+    with _config_key("reward"):
+        if name == "minilm":
+            from jaxsr.loading.encoder import load_encoder, minilm_path
+
+            return as_reward(load_encoder(minilm_path(), dtype=dtype, mesh=mesh))
+        return as_reward(load_reward_model(name, dtype=dtype, mesh=mesh))

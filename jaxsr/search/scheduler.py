@@ -1,0 +1,338 @@
+"""The one search scheduler: prompts' searches run in rounds, several prompts' rows decoded together.
+
+A search is one prompt's rows in a fixed-shape decode state, its prompt prefilled once per model and
+shared by every row. It runs in rounds: decode until the rows pause, score the live rows' (partial)
+responses, and let the method's `Policy` decide which rows continue and in what batch; the survivors
+are gathered there (never re-prefilled). A new search method is a `Policy` (its first batch, where a
+round pauses, what a decision keeps, what the search returns): Speculative Rejection's is
+`speculative_rejection.Rejection`.
+
+`run_searches` keeps up to `concurrent` searches in flight. Every round, the searches whose next round
+has the same shapes (rows, row-cache slots, prompt slots) are stacked into one decode state — rows
+grouped by prompt, each group attending to its own prompt's caches — and decoded in one loop, each
+prompt's rows pausing at its own point (`pause_at` per row). The state is then split back per prompt,
+and each prompt scores, decides and compacts on its own. A finished prompt's place goes to the next
+prompt. Stacking copies the members' caches for the round: while it runs, memory holds the stack and,
+for a moment, the members' own states (transient, not counted in the plans).
+
+A prompt's rows draw their random streams from (seed, prompt, sample, token index) and pause where its
+own policy says, so its tokens, decisions and result are those of searching it alone; only floats that
+depend on the batch (a reward model's scores) may differ in the last bits. Stacks are padded to a power
+of two of prompts with copies marked dead, so the compiled shapes stay few.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsr.decoding.driver import Layout, Sampler, samples_of
+from jaxsr.decoding.inputs import Request
+from jaxsr.decoding.state import DecodeState, pin, take_rows, to_host
+from jaxsr.ladder import bucket
+from jaxsr.models.cache import PromptCache
+from jaxsr.results import Result, Sample
+from jaxsr.rewards.base import Reward
+from jaxsr.search.candidates import best, score_samples, token_scorer
+from jaxsr.sharding import padded_rows
+
+
+class Batch(NamedTuple):
+    """A round's batch: `rows` live rows (before mesh padding), each with `segment` row-cache slots
+    (the sampler's look-ahead headroom comes on top)."""
+
+    rows: int
+    segment: int
+
+
+class Decision(NamedTuple):
+    """Which rows continue: `keep` indexes the round's samples (the live rows, in row order)."""
+
+    keep: list[int]
+    batch: Batch
+
+
+class Policy(Protocol):
+    """What makes a search method: one prompt's decisions, with its own bookkeeping."""
+
+    prompt_slots: int
+    """Slots the prompt is padded to (its caches' length)."""
+
+    def first_batch(self) -> Batch: ...
+
+    def round_end(self, generated: int, segment: int) -> int:
+        """The token count this round decodes to, from `generated` tokens (the longest live row's)."""
+        ...
+
+    def decide(self, samples: list[Sample], generated: int) -> Decision | None:
+        """The rows that continue after a round whose live rows are `samples` (scored), or None: the
+        search ends. Not called when every row is done."""
+        ...
+
+    def final(self, samples: list[Sample]) -> list[Sample]:
+        """The search's samples (`Result.samples`), given the last round's."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """The policy's own entries of `Result.stats`."""
+        ...
+
+
+@dataclasses.dataclass
+class Ledger:
+    """What one search spent: seconds by stage, token positions run through each model (by role) and
+    the reward, and the log of its rounds — its `Result.stats` but the policy's."""
+
+    forwards: dict[str, int]
+    timings: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
+    )
+    reward_forwards: int = 0
+    rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    wall: float = 0.0
+
+    def spent(self) -> float:
+        """Seconds attributed to the search so far (prefill, decode, scoring, compaction)."""
+        return sum(self.timings.values())
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "wall_s": self.wall,
+            **self.timings,
+            "host_s": self.wall - self.spent(),
+            "token_forwards": {**self.forwards, "reward": self.reward_forwards},
+            "rounds": len(self.rounds),
+            "batch_sizes": [r["live_rows"] for r in self.rounds],
+            "kv_bytes": [r["kv_bytes"] for r in self.rounds],
+            "round_log": self.rounds,
+        }
+
+
+class PromptSearch:
+    """One prompt's search, in the steps `run_searches` drives: `start` (prefill, first rows), then
+    rounds of `begin_round` / `take_state` / `end_round` (the decoded rows back), `score` and
+    `decide` (which compacts the survivors) — until `finished`; then `result`. On a mesh each batch is
+    padded with dead rows so that it splits over the `data` shards (the result stays the same)."""
+
+    def __init__(self, sampler: Sampler, reward: Reward, request: Request, index: int, policy: Policy):
+        self.sampler, self.reward, self.request, self.policy = sampler, reward, request, policy
+        self.index, self.prompt, self.ids = index, request.prompts[index], request.encoded[index]
+        self.ledger = Ledger(dict.fromkeys(sampler.roles, policy.prompt_slots))
+        self.scorer = None
+        self.generated = 1
+        """The longest live row's tokens at the last decision point."""
+        self.samples: list[Sample] = []
+        """The live rows of the last round, scored."""
+        self.final: list[Sample] = []
+        self.finished = False
+        self._state: DecodeState | None = None
+        self._caches: tuple = ()
+        """The prompt's caches in every model (prefilled once)."""
+        self._host: DecodeState | None = None
+        self._live_rows = np.zeros(0, np.int64)
+        """The state's rows that are alive after the last round (the rows of `samples`)."""
+        self._live, self._segment = 0, 0
+        """Alive rows of the state and their cache segment (set where the rows are made)."""
+        self._counters = (0, np.zeros(len(sampler.models), np.int64))
+        """Decode steps and positions per row per model the state has run (its own counters)."""
+
+    def start(self) -> None:
+        """Prefill the prompt in every model (its slots padded to the policy's) and set up the first
+        batch's rows, each with its first token (sample ids 0 … B0−1: Best-of-N's random streams)."""
+        t0 = time.perf_counter()
+        sampler, policy = self.sampler, self.policy
+        self.scorer = token_scorer(sampler.target, self.reward, self.prompt, self.request.max_new_tokens)
+        prefill = sampler.prefill_prompts([self.ids], 1, policy.prompt_slots)
+        jax.block_until_ready(prefill.logits)
+        self._caches = prefill.caches
+        rows, segment = policy.first_batch()
+        layout = Layout(self.index, 1, 1, padded_rows(rows, sampler.mesh), rows)
+        self._state = sampler.start(prefill, layout, self.request, segment)
+        self._live, self._segment = rows, segment
+        self.ledger.timings["prefill_s"] = time.perf_counter() - t0
+
+    def shape(self) -> tuple[int, ...]:
+        """What fixes the compiled shapes of this prompt's next round: searches with equal shapes can
+        decode in one batch."""
+        return (self._state.tokens.shape[0], self._state.rows[0].capacity, self.policy.prompt_slots)
+
+    def begin_round(self) -> int:
+        """The token count this round decodes to."""
+        return self.policy.round_end(self.generated, self._segment)
+
+    def take_state(self) -> tuple[DecodeState, tuple, tuple[int, np.ndarray]]:
+        """Hand the decode state over for a round (it is donated): (state, prompt caches, the state's
+        counters so far: steps, positions per row per model)."""
+        state, self._state = self._state, None
+        return state, self._caches, self._counters
+
+    def end_round(self, state: DecodeState, host: DecodeState, seconds: float, counters: tuple) -> None:
+        """Take the round's decoded rows back (`host`: them on the host) and log the round: `counters`
+        are the state's (steps, positions per row per model) after it."""
+        steps, forwards = counters[0] - self._counters[0], counters[1] - self._counters[1]
+        batch, slots = len(host.alive), state.rows[0].capacity  # segment + look-ahead headroom
+        end = int(host.num_generated[host.alive].max(initial=self.generated))
+        ledger = self.ledger
+        ledger.rounds.append(
+            {
+                "start_token": self.generated,
+                "end_token": end,
+                "batch_size": batch,
+                "live_rows": self._live,
+                "steps": int(steps),
+                "kv_bytes": (self.policy.prompt_slots + batch * slots) * self.sampler.slot_bytes,
+                "decode_s": seconds,
+            }
+        )
+        ledger.timings["decode_s"] += seconds
+        for role, n in zip(self.sampler.roles, forwards, strict=True):
+            ledger.forwards[role] += int(n) * batch
+        self._counters = (counters[0], self._counters[1] + forwards)
+        self._state, self._host, self.generated = state, host, end
+
+    def score(self) -> None:
+        """Every live row of the round as a scored `Sample` (partial or complete). An on-device scorer
+        reads the decode buffer where it lies."""
+        t0 = time.perf_counter()
+        before = self.reward.token_forwards
+        host, state, model = self._host, self._state, self.sampler.target
+        self._live_rows = np.flatnonzero(host.alive)
+        on_device = None
+        if self.scorer is not None:
+            lengths = state.num_generated - state.finished
+            on_device = np.asarray(self.scorer(state.tokens, lengths))[self._live_rows]
+        samples = samples_of(model, take_rows(host, self._live_rows))
+        self.samples = score_samples(model, self.reward, self.prompt, self.ids, samples, on_device)
+        self.ledger.reward_forwards += self.reward.token_forwards - before
+        self.ledger.timings["scoring_s"] += time.perf_counter() - t0
+
+    def decide(self) -> None:
+        """A decision point: the policy's, and the survivors gathered into its batch — or the search
+        ends (every row done, or the policy ends it)."""
+        host = self._host
+        if host.done[host.alive].all():  # every row finished or reached max_new_tokens
+            return self._finish()
+        decision = self.policy.decide(self.samples, self.generated)
+        if decision is None:
+            return self._finish()
+        self._compact([int(self._live_rows[j]) for j in sorted(decision.keep)], decision.batch)
+
+    def _compact(self, survivors: list[int], batch: Batch) -> None:
+        """Gather the survivors into the batch (padded with dead rows to the mesh) and its caches."""
+        t0 = time.perf_counter()
+        size = padded_rows(batch.rows, self.sampler.mesh)
+        index = np.array(survivors + [survivors[0]] * (size - len(survivors)), np.int32)
+        alive = np.arange(size) < len(survivors)
+        capacity = batch.segment + self.sampler.headroom
+        self._state = self.sampler.compact(self._state, jnp.asarray(index), jnp.asarray(alive), capacity)
+        self._live, self._segment = len(survivors), batch.segment
+        self.ledger.timings["compaction_s"] += time.perf_counter() - t0
+
+    def _finish(self) -> None:
+        self.final = self.policy.final(self.samples)
+        self.finished, self._state, self._caches, self._host = True, None, (), None  # free the caches
+
+    def result(self) -> Result:
+        stats = {**self.ledger.stats(), **self.policy.stats()}
+        return Result(prompt=self.prompt, samples=self.final, best=best(self.final), stats=stats)
+
+
+def run_searches(sampler: Sampler, searches: Sequence[PromptSearch], concurrent: int) -> None:
+    """Run every search to its end, at most `concurrent` at once (see the module docstring). A stack's
+    decode time is shared evenly among its prompts (`decode_s`: they have the same rows). Each prompt's
+    `wall_s` is the time spent on it (prefill, its decode share, scoring, compaction) plus an even share
+    of the round's time spent on no prompt in particular, so a prompt's parts never exceed its wall time
+    and the prompts' wall times add up to the call's."""
+    pending, running = list(searches)[::-1], []
+    while pending or running:
+        t0 = time.perf_counter()
+        spent = [search.ledger.spent() for search in running]
+        while pending and len(running) < concurrent:
+            search = pending.pop()
+            spent.append(0.0)
+            search.start()
+            running.append(search)
+        groups: dict[tuple, list[PromptSearch]] = defaultdict(list)
+        for search in running:
+            groups[search.shape()].append(search)
+        for members in groups.values():
+            decode_together(sampler, members)
+        for search in running:
+            search.score()
+            search.decide()
+        own = [search.ledger.spent() - before for search, before in zip(running, spent, strict=True)]
+        share = max(0.0, time.perf_counter() - t0 - sum(own)) / len(running)
+        for search, mine in zip(running, own, strict=True):
+            search.ledger.wall += mine + share
+        running = [s for s in running if not s.finished]
+
+
+def decode_together(sampler: Sampler, members: list[PromptSearch]) -> None:
+    """One round of every member (same shapes) in one decode loop; each takes its rows back."""
+    pauses = [m.begin_round() for m in members]
+    taken = [m.take_state() for m in members]
+    t0 = time.perf_counter()
+    if len(members) == 1:  # alone: the state decodes as it is
+        state, caches, _ = taken[0]
+        state = sampler.decode_loop(state, caches, jnp.asarray(pauses[0], jnp.int32))
+        host = to_host(state)  # the state's counters are cumulative
+        members[0].end_round(state, host, time.perf_counter() - t0, (host.steps, host.forwards))
+        return
+    stacked = bucket(len(members), 1)
+    taken += taken[:1] * (stacked - len(members))  # padding: copies of the first, marked dead
+    G = taken[0][0].tokens.shape[0]
+    state, caches = stack(tuple(t[0] for t in taken), tuple(t[1] for t in taken), jnp.int32(len(members)))
+    pauses += pauses[:1] * (stacked - len(members))
+    state = sampler.decode_loop(state, caches, jnp.asarray(np.repeat(np.array(pauses, np.int32), G)))
+    host = to_host(state)
+    counters = tuple((np.int32(t[2][0]), t[2][1].astype(np.int32)) for t in taken)
+    parts = split(state, counters, stacked=stacked)[: len(members)]
+    seconds = time.perf_counter() - t0
+    for p, (member, part) in enumerate(zip(members, parts, strict=True)):
+        mine = take_rows(host, slice(p * G, (p + 1) * G))
+        totals = (counters[p][0] + host.steps, counters[p][1] + host.forwards)
+        member.end_round(part, mine, seconds / len(members), totals)
+
+
+@jax.jit
+def stack(states: tuple[DecodeState, ...], prompts: tuple[tuple[PromptCache, ...], ...], live: jax.Array):
+    """One decode state (and its prompt caches, one per model) of same-shaped single-prompt states, in
+    order; entries from `live` on are padding (their rows dead). Step and position counters restart."""
+
+    def cat(*xs):
+        return jnp.concatenate(xs, axis=0)
+
+    first = states[0]
+    state = jax.tree.map(cat, *(s.replace(seed=None, steps=None, forwards=None) for s in states))
+    dead = jnp.arange(state.tokens.shape[0]) >= live * first.tokens.shape[0]
+    state = state.replace(
+        alive=state.alive & ~dead,
+        done=state.done | dead,
+        seed=first.seed,
+        steps=jnp.zeros((), jnp.int32),
+        forwards=jnp.zeros_like(first.forwards),
+    )
+    caches = tuple(jax.tree.map(cat, *(p[m] for p in prompts)) for m in range(len(first.rows)))
+    return pin(state), tuple(c.constrained() for c in caches)
+
+
+@partial(jax.jit, static_argnames=("stacked",))
+def split(state: DecodeState, counters: tuple, *, stacked: int) -> tuple[DecodeState, ...]:
+    """The `stacked` prompts' states back from a stack (padding included), each with its (steps,
+    forwards) counters in `counters` advanced by the stack's."""
+    G = state.tokens.shape[0] // stacked
+    parts = []
+    for p, (steps, forwards) in enumerate(counters):
+        part = take_rows(state, slice(p * G, (p + 1) * G))
+        part = part.replace(rows=tuple(jax.tree.map(lambda x, p=p: x[p * G : (p + 1) * G], state.rows)))
+        part = part.replace(steps=steps + state.steps, forwards=forwards + state.forwards)
+        parts.append(pin(part))
+    return tuple(parts)
