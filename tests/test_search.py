@@ -11,8 +11,11 @@ from tolerance import assert_same_sample
 
 import jaxsr
 from jaxsr.decoding import loop, state
+from jaxsr.decoding.driver import as_sampler
+from jaxsr.decoding.inputs import Options, prepare
 from jaxsr.rewards import SelfLikelihood
 from jaxsr.search.memory import batch_ladder, budget_slots, parse_bytes
+from jaxsr.search.scheduler import Batch, Decision, PromptSearch, run_searches
 from jaxsr.search.speculative_rejection import keep_mask
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
@@ -72,6 +75,49 @@ def test_zero_rejection_is_best_of_n(lm):
         assert a.best is not None and b.best is not None
         assert_same_sample(b.best, a.best)
         assert b.stats["rounds"] == 1
+
+
+class Branching:
+    """A search policy that forks: two rows; after 4 tokens each becomes two, the copy that keeps its
+    parent's sample index and a child with index + 2; then both decode to the end."""
+
+    prompt_slots = 16
+
+    def first_batch(self) -> Batch:
+        return Batch(2, 16)
+
+    def round_end(self, generated: int, segment: int) -> int:
+        return 4 if generated < 4 else 16
+
+    def decide(self, samples, generated: int) -> Decision:
+        ids = [samples[0].index, samples[0].index + 2, samples[1].index, samples[1].index + 2]
+        return Decision([0, 0, 1, 1], Batch(4, 16), ids)
+
+    def final(self, samples):
+        return samples
+
+    def stats(self):
+        return {}
+
+
+def test_a_search_that_branches_gives_each_child_a_stream_of_its_own():
+    """A row kept twice is copied with its cache (no prefill again): the copy that keeps the parent's
+    sample index decodes what the parent would have, the child shares the parent's first 4 tokens and
+    then draws its own."""
+    lm = tiny_model(seed=0, logit_scale=1.0)  # near-uniform: two streams do not agree for 12 tokens
+    sampler = as_sampler(lm, jaxsr.SamplingConfig())
+    request = prepare(sampler.models, PROMPTS[:1], Options(max_new_tokens=16, seed=3))
+    search = PromptSearch(sampler, SelfLikelihood(), request, 0, Branching())
+    run_searches(sampler, [search], concurrent=1)
+    result = search.result()
+    plain = jaxsr.generate(lm, PROMPTS[:1], max_new_tokens=16, num_samples=2, seed=3)[0].samples
+    by_index = {s.index: s.token_ids for s in result.samples}
+    assert sorted(by_index) == [0, 1, 2, 3] and result.stats["batch_sizes"] == [2, 4]
+    assert result.stats["token_forwards"]["generator"] == 16 + 2 * 3 + 4 * 12  # prompt, then per round
+    for parent in (0, 1):
+        assert by_index[parent] == plain[parent].token_ids
+        assert by_index[parent + 2][:4] == plain[parent].token_ids[:4]
+        assert by_index[parent + 2][4:] != plain[parent].token_ids[4:]
 
 
 @pytest.fixture(scope="module")

@@ -131,8 +131,11 @@ class Sampler:
             method=self.method, pause_at=pause_at, observer=observer,
         )  # fmt: skip
 
-    def compact(self, state: DecodeState, index: jax.Array, alive: jax.Array, cache_capacity: int):
-        return compact(state, index, alive, cache_capacity=cache_capacity)
+    def compact(
+        self, state: DecodeState, index: jax.Array, alive: jax.Array, cache_capacity: int, sample_ids=None
+    ) -> DecodeState:
+        """Gather rows `index` (see `state.compact`; the state is not donated)."""
+        return compact(state, index, alive, sample_ids, cache_capacity=cache_capacity)
 
     @property
     def graphs(self) -> tuple:

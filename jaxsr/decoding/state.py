@@ -108,14 +108,24 @@ def pin(state: DecodeState) -> DecodeState:
 
 
 @partial(jax.jit, static_argnames=("cache_capacity",))
-def compact(state: DecodeState, index: jax.Array, alive: jax.Array, *, cache_capacity: int) -> DecodeState:
+def compact(
+    state: DecodeState,
+    index: jax.Array,
+    alive: jax.Array,
+    sample_ids: jax.Array | None = None,
+    *,
+    cache_capacity: int,
+) -> DecodeState:
     """Gather rows `index` into a (smaller) batch whose row caches have `cache_capacity` slots (keep
     the method's look-ahead headroom). Survivors keep tokens, caches, random streams and counters;
-    `alive=False` marks padding rows.
+    `alive=False` marks padding rows. A row may be gathered several times (a branch's children):
+    `sample_ids` then gives each gathered row a sample index, and so a random stream, of its own.
 
     Rows attend to the prompt cache of their group (row b to prompt b // G), so the gather must keep
     each row in its prompt's group."""
     gathered = take_rows(state, index)
+    if sample_ids is not None:
+        gathered = gathered.replace(sample_id=sample_ids)
     rows = tuple(r.take(index, cache_capacity) for r in state.rows)
     return pin(gathered.replace(done=gathered.done | ~alive, alive=alive, rows=rows))
 

@@ -25,9 +25,9 @@ import dataclasses
 import glob
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import jax
 import numpy as np
@@ -45,12 +45,14 @@ def job_file(output: Path) -> Path:
     return output.with_name(f"{output.stem}.job.json")
 
 
-def _write_durably(path: Path, data: bytes) -> None:
-    """Replace `path` by `data` atomically: a kill leaves the old file or the new one, never a mix."""
+def _write_durably(path: Path, pieces: Iterable[bytes]) -> None:
+    """Replace `path` by the concatenated `pieces` atomically: a kill leaves the old file or the new
+    one, never a mix."""
     partial = path.with_name(path.name + ".partial")
     try:
         with partial.open("wb") as f:
-            f.write(data)
+            for piece in pieces:
+                f.write(piece)
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, path)
@@ -63,10 +65,30 @@ def _write_durably(path: Path, data: bytes) -> None:
         os.close(directory)
 
 
+BLOCK = 1 << 16
+"""Bytes read at a time when looking for an output's last newline from its end."""
+
+
+def complete_end(path: Path) -> int:
+    """The size of `path`'s complete lines: the offset after its last newline (0 when it has none)."""
+    with path.open("rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        while end > 0:
+            start = max(0, end - BLOCK)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                return start + newline + 1
+            end = start
+    return 0
+
+
 class JsonlOutput:
     """Append-only JSONL, one record per prompt, and beside it the job file that names the job (its
     fingerprint and config), so the records load as they are (`datasets`, pandas) while a resume can
-    still tell whose records they are. Knows which prompt indices are already complete."""
+    still tell whose records they are. Knows which prompt indices are already complete, and nothing
+    else of the records: reading, resuming and merging stream the file, so memory does not grow with
+    the output."""
 
     def __init__(self, path: str | Path, config: JobConfig, *, read_only: bool = False):
         """`read_only`: only read the complete records (another process may still be appending)."""
@@ -74,18 +96,21 @@ class JsonlOutput:
         self.job_path = job_file(self.path)
         self.fingerprint = config.fingerprint()
         self.done: set[int] = set()
-        self._records: list[str] = []
         self.job = {"jaxsr_job": self.fingerprint, "config": dataclasses.asdict(config)}
+        self._start = 0
+        """Offset of the first record (past a legacy header line)."""
+        self._end = 0
+        """Offset after the last complete record."""
         if self.path.exists() and self.path.stat().st_size:
             self._resume(read_only)
 
     def _resume(self, read_only: bool) -> None:
-        raw = self.path.read_bytes()
-        complete = raw[: raw.rfind(b"\n") + 1]
-        lines = complete.decode(errors="replace").splitlines()
-        legacy = self._legacy_header(lines[0]) if lines else None
+        self._end = complete_end(self.path)
+        with self.path.open("rb") as f:
+            first = f.readline() if self._end else b""
+        legacy = self._legacy_header(first.decode(errors="replace")) if first else None
         if legacy is not None:  # written before job files existed: the job was named on line 1
-            lines = lines[1:]
+            self._start = len(first)
         owner = legacy if legacy is not None else self._named_job()
         if owner != self.fingerprint:
             whose = f"job {owner}" if owner else f"no job named in {self.job_path.name}: not a jaxsr output"
@@ -93,23 +118,32 @@ class JsonlOutput:
                 f"output: {self.path} already holds records of a different job ({whose}; this job is "
                 f"{self.fingerprint}); choose another output path or remove that file"
             )
-        for number, line in enumerate(lines, 1):
-            try:
-                index = json.loads(line)["index"]
-            except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
-                index = None
-            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-                raise ValueError(f"output: line {number} of {self.path} is not a jaxsr record")
-            self.done.add(index)
-        self._records = lines
+        self.done = {index for index, _, _ in self.lines()}
         if read_only:
             return
         if legacy is not None:  # move the job to its own file; the records file becomes plain records
             self._write_job_file()
-            _write_durably(self.path, "".join(line + "\n" for line in lines).encode())
-        elif len(complete) < len(raw):  # a record torn by a kill: drop it, it is redone
+            self._rewrite(self.path, self._start, self._end)
+        elif self._end < self.path.stat().st_size:  # a record torn by a kill: drop it, it is redone
             with self.path.open("r+b") as f:
-                f.truncate(len(complete))
+                f.truncate(self._end)
+
+    def lines(self) -> Iterator[tuple[int, int, int]]:
+        """(prompt index, offset, length) of each complete record, read one line at a time."""
+        with self.path.open("rb") as f:
+            offset = f.seek(self._start)
+            for number, line in enumerate(f, 1):
+                if offset + len(line) > self._end:
+                    return
+                yield _record_index(line, number, self.path), offset, len(line)
+                offset += len(line)
+
+    def _rewrite(self, source: Path, start: int, end: int) -> None:
+        """Make the output bytes [start, end) of `source`, atomically and durably, copied in blocks."""
+        with source.open("rb") as f:
+            f.seek(start)
+            _write_durably(self.path, _blocks(f, end - start))
+        self._start, self._end = 0, end - start
 
     def _named_job(self) -> str | None:
         """The fingerprint in the job file beside the output (None when absent or unreadable)."""
@@ -128,20 +162,20 @@ class JsonlOutput:
 
     def _write_job_file(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _write_durably(self.job_path, (json.dumps(self.job, indent=1) + "\n").encode())
+        _write_durably(self.job_path, [(json.dumps(self.job, indent=1) + "\n").encode()])
 
     def write(self, index: int, record: dict[str, Any]) -> None:
         """Append one record; the job file is written with the first record (a job that fails before
         producing anything leaves no file behind, and a failed write no torn line)."""
         existed = self.path.exists()
         first = not existed or not self.path.stat().st_size
-        line = json.dumps({"index": index, **record})
+        line = (json.dumps({"index": index, **record}) + "\n").encode()
         size = self.path.stat().st_size if not first else 0
         try:
             if first:
                 self._write_job_file()
-            with self.path.open("a") as f:
-                f.write(line + "\n")
+            with self.path.open("ab") as f:
+                f.write(line)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
@@ -153,25 +187,53 @@ class JsonlOutput:
                 else:
                     os.truncate(self.path, size)
             raise ValueError(f"output: cannot write {self.path} ({e.strerror or e})") from None
-        self._records.append(line)
+        self._end = size + len(line)
         self.done.add(index)
 
-    def records(self) -> dict[int, str]:
-        """The complete records in the file, by prompt index."""
-        return {json.loads(line)["index"]: line for line in self._records}
-
-    def replace_with(self, records: dict[int, str]) -> None:
-        """Atomically (and durably) make the file `records` in prompt order."""
-        ordered = [records[i] for i in sorted(records)]
+    def replace_with(self, where: dict[int, tuple[Path, int, int]]) -> None:
+        """Atomically (and durably) make the file the records `where` points to (prompt index → file,
+        offset, length), in prompt order, read one at a time."""
         self._write_job_file()
-        _write_durably(self.path, "".join(line + "\n" for line in ordered).encode())
-        self._records = ordered
-        self.done = set(records)
+        _write_durably(self.path, _gathered(where))
+        self._start, self._end, self.done = 0, self.path.stat().st_size, set(where)
 
     def remove(self) -> None:
         """Delete the records and the job file (a part file once merged)."""
         self.path.unlink()
         self.job_path.unlink(missing_ok=True)
+
+
+def _record_index(line: bytes, number: int, path: Path) -> int:
+    """The prompt index of a record line; a line that is no jaxsr record is refused."""
+    try:
+        index = json.loads(line)["index"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError):
+        index = None
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"output: line {number} of {path} is not a jaxsr record")
+    return index
+
+
+def _blocks(f: BinaryIO, size: int) -> Iterator[bytes]:
+    """`size` bytes of `f` from where it stands, a block at a time."""
+    while size > 0:
+        block = f.read(min(BLOCK, size))
+        if not block:
+            return
+        size -= len(block)
+        yield block
+
+
+def _gathered(where: dict[int, tuple[Path, int, int]]) -> Iterator[bytes]:
+    """The records `where` points to, in prompt order (each source file opened once)."""
+    with contextlib.ExitStack() as opened:
+        files: dict[Path, BinaryIO] = {}
+        for index in sorted(where):
+            path, offset, length = where[index]
+            if path not in files:
+                files[path] = opened.enter_context(path.open("rb"))
+            files[path].seek(offset)
+            yield files[path].read(length)
 
 
 def chunks(indices: list[int], size: int) -> Iterator[list[int]]:
@@ -248,18 +310,18 @@ def _part_files(output: JsonlOutput) -> list[Path]:
 def _merge_parts(output: JsonlOutput, config: JobConfig, total: int | None = None) -> int:
     """Fold every part file of the job (of any process count) into the output, each prompt once, and
     remove the parts. With `total`, merge only if all `total` records are there; returns how many are
-    missing."""
+    missing. Records are streamed: memory holds where each one lies, not the records."""
     parts = [JsonlOutput(path, config, read_only=True) for path in _part_files(output)]
     if not parts and total is None:
         return 0
-    records = output.records()
-    for part in parts:
-        for index, line in part.records().items():
-            records.setdefault(index, line)
-    missing = 0 if total is None else total - len(records)
+    where: dict[int, tuple[Path, int, int]] = {}
+    for source in [output, *parts] if output.path.exists() else parts:
+        for index, offset, length in source.lines():
+            where.setdefault(index, (source.path, offset, length))
+    missing = 0 if total is None else total - len(where)
     if missing:
         return missing
-    output.replace_with(records)
+    output.replace_with(where)
     for part in parts:
         part.remove()
     return 0

@@ -3,8 +3,9 @@
 A search is one prompt's rows in a fixed-shape decode state, its prompt prefilled once per model and
 shared by every row. It runs in rounds: decode until the rows pause, score the live rows' (partial)
 responses, and let the method's `Policy` decide which rows continue and in what batch; the survivors
-are gathered there (never re-prefilled). A new search method is a `Policy` (its first batch, where a
-round pauses, what a decision keeps, what the search returns): Speculative Rejection's is
+are gathered there (never re-prefilled; a row kept twice branches, each copy with a sample index and
+so a random stream of its own). A new search method is a `Policy` (its first batch, where a round
+pauses, what a decision keeps, what the search returns): Speculative Rejection's is
 `speculative_rejection.Rejection`.
 
 `run_searches` keeps up to `concurrent` searches in flight. Every round, the searches whose next round
@@ -54,10 +55,13 @@ class Batch(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """Which rows continue: `keep` indexes the round's samples (the live rows, in row order)."""
+    """Which rows continue: `keep` indexes the round's samples (the live rows, in row order); a row
+    kept more than once branches, and `sample_ids` (one per entry of `keep`) then gives each copy a
+    sample index, and so a random stream, of its own. None: every row keeps its own."""
 
     keep: list[int]
     batch: Batch
+    sample_ids: list[int] | None = None
 
 
 class Policy(Protocol):
@@ -223,16 +227,22 @@ class PromptSearch:
         decision = self.policy.decide(self.samples, self.generated)
         if decision is None:
             return self._finish()
-        self._compact([int(self._live_rows[j]) for j in sorted(decision.keep)], decision.batch)
+        order = np.argsort(decision.keep, kind="stable")  # survivors stay in row order
+        survivors = [int(self._live_rows[decision.keep[i]]) for i in order]
+        ids = decision.sample_ids
+        self._compact(survivors, decision.batch, None if ids is None else [ids[i] for i in order])
 
-    def _compact(self, survivors: list[int], batch: Batch) -> None:
+    def _compact(self, survivors: list[int], batch: Batch, sample_ids: list[int] | None) -> None:
         """Gather the survivors into the batch (padded with dead rows to the mesh) and its caches."""
         t0 = time.perf_counter()
         size = padded_rows(batch.rows, self.sampler.mesh)
-        index = np.array(survivors + [survivors[0]] * (size - len(survivors)), np.int32)
-        alive = np.arange(size) < len(survivors)
+        padding = size - len(survivors)
+        index = jnp.asarray(np.array(survivors + survivors[:1] * padding, np.int32))
+        alive = jnp.asarray(np.arange(size) < len(survivors))
+        if sample_ids is not None:
+            sample_ids = jnp.asarray(np.array(sample_ids + sample_ids[:1] * padding, np.int32))
         capacity = batch.segment + self.sampler.headroom
-        self._state = self.sampler.compact(self._state, jnp.asarray(index), jnp.asarray(alive), capacity)
+        self._state = self.sampler.compact(self._state, index, alive, capacity, sample_ids)
         self._live, self._segment = len(survivors), batch.segment
         self.ledger.timings["compaction_s"] += time.perf_counter() - t0
 
