@@ -96,7 +96,7 @@ def test_a_line_that_is_no_record_and_a_foreign_output_are_refused(tmp_path):
     write_output(path, [0])
     with path.open("ab") as f:
         f.write(b'{"no index": 1}\n')
-    with pytest.raises(ValueError, match="line 2 of .* is not a jaxsr record"):
+    with pytest.raises(ValueError, match=r"line 2 of .* is not a jaxsr record"):
         JsonlOutput(path, CONFIG)
     other = JobConfig(output="unused.jsonl", seed=CONFIG.seed + 1)
     write_output(path, [0])
