@@ -435,11 +435,13 @@ def test_an_output_written_with_a_header_line_resumes_in_the_new_form(job, capsy
     assert output.read_text().startswith(records_text.splitlines(keepends=True)[0])
     assert_same_up_to_rounding(records, parse_records(records_text))
     job_file(output).unlink()
-    other = json.loads(job_text) | {"jaxsr_job": "0" * 16}
+    other = json.loads(job_text)
+    other = other | {"jaxsr_job": "0" * 16, "config": other["config"] | {"seed": 7}}
     output.write_text(json.dumps(other) + "\n" + records_text)  # an old output of another job
     capsys.readouterr()
     assert cli("run", str(path), "limit=3") == 2
-    assert "different job" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "different job (seed: 7 -> " in err and "set those keys back" in err
     assert not job_file(output).exists()
 
 
@@ -508,7 +510,7 @@ def test_output_of_another_job_is_refused(job, capsys):
     capsys.readouterr()
     assert cli("run", str(path), "limit=3", "seed=0") == 2
     err = capsys.readouterr().err
-    assert "output" in err and "different job" in err
+    assert "output" in err and "different job (seed: 1 -> 0)" in err  # the key that differs, named
     assert output.read_bytes() == before
     output.write_text("not a jaxsr file\n")
     assert cli("run", str(path), "limit=3") == 2
@@ -907,3 +909,35 @@ def test_the_cli_keeps_compiled_programs_unless_told_otherwise(monkeypatch, tmp_
         assert jax.config.jax_compilation_cache_dir == "/elsewhere"
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_a_job_grows_with_its_limit_and_a_finished_job_loads_nothing(job, capsys, monkeypatch):
+    """`limit` is not part of a job's identity: raising it adds the new prompts' records to the same
+    output. A finished job exits before loading any model."""
+    path, output = job
+    assert cli("run", str(path), "limit=2") == 0
+    first = output.read_text()
+    assert cli("run", str(path), "limit=3") == 0
+    config, records = read_jsonl(output)
+    assert [r["index"] for r in records] == [0, 1, 2] and output.read_text().startswith(first)
+    assert config["config"]["limit"] == 3
+    monkeypatch.setattr("jaxsr.jobs.methods.resolve_model", _refuse_to_load)
+    assert cli("run", str(path), "limit=3") == 0  # finished
+    assert cli("run", str(path), "limit=2") == 0  # finished, a smaller part of the same job
+    assert [r["index"] for r in read_jsonl(output)[1]] == [0, 1, 2]
+
+
+def test_records_of_prompts_the_data_no_longer_has_are_refused(job, tmp_path, capsys):
+    """Data edited or reordered between runs: the resume names the first record whose prompt is not
+    the data's at its index, and writes nothing."""
+    path, output = job
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    assert cli("run", str(path), f"data={data}", "limit=2") == 0
+    before = output.read_bytes()
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [PROMPTS[1], PROMPTS[0], *PROMPTS[2:]]))
+    capsys.readouterr()
+    assert cli("run", str(path), f"data={data}", "limit=3") == 2
+    err = capsys.readouterr().err
+    assert "record of prompt 0" in err and "the data changed" in err
+    assert output.read_bytes() == before

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from jaxsr.configs import check_field_types, check_mesh_keys, content_fingerprint, load_config
 
@@ -52,6 +53,9 @@ on any mesh and with any number of prompts searched at once), so a job may resum
 LATER_KEYS = ("min_first_segment", "decision_interval", "rule", "min_keep")
 """Keys added after job files existed: at their defaults they leave a job's fingerprint as it was, so
 the output of a job started before them still resumes."""
+GROWING_KEYS = ("limit",)
+"""Keys a job may change between runs and stay the same job: how many of the data's prompts it answers
+(records are keyed by prompt index, so a larger limit adds records, a smaller one is already done)."""
 RULES = ("keep_fraction", "quantile")
 
 
@@ -152,6 +156,20 @@ class JobConfig:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         unset = tuple(key for key in LATER_KEYS if getattr(self, key) == defaults[key])
         return content_fingerprint(self, PLACEMENT_KEYS + unset)
+
+    def differences(self, stored: dict[str, Any]) -> list[str]:
+        """The keys that make this a different job from the one `stored` (a job file's config) names,
+        each as `key: old -> new` (placement and growing keys aside; a later key absent from `stored`
+        had its default)."""
+        differing = []
+        for field in dataclasses.fields(self):
+            if field.name in PLACEMENT_KEYS + GROWING_KEYS:
+                continue
+            old = stored.get(field.name, field.default if field.name in LATER_KEYS else None)
+            new = getattr(self, field.name)
+            if (field.name not in stored and field.name not in LATER_KEYS) or old != new:
+                differing.append(f"{field.name}: {old!r} -> {new!r}")
+        return differing
 
 
 def load_job_config(path: str | Path | None, overrides: list[str] = ()) -> JobConfig:

@@ -25,7 +25,7 @@ import dataclasses
 import glob
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -90,10 +90,19 @@ class JsonlOutput:
     else of the records: reading, resuming and merging stream the file, so memory does not grow with
     the output."""
 
-    def __init__(self, path: str | Path, config: JobConfig, *, read_only: bool = False):
-        """`read_only`: only read the complete records (another process may still be appending)."""
+    def __init__(
+        self,
+        path: str | Path,
+        config: JobConfig,
+        *,
+        read_only: bool = False,
+        prompts: Sequence[Any] | None = None,
+    ):
+        """`read_only`: only read the complete records (another process may still be appending).
+        `prompts`: every prompt of the job's data; each record must be of the prompt at its index."""
         self.path = Path(path)
         self.job_path = job_file(self.path)
+        self.config = config
         self.fingerprint = config.fingerprint()
         self.done: set[int] = set()
         self.job = {"jaxsr_job": self.fingerprint, "config": dataclasses.asdict(config)}
@@ -102,40 +111,77 @@ class JsonlOutput:
         self._end = 0
         """Offset after the last complete record."""
         if self.path.exists() and self.path.stat().st_size:
-            self._resume(read_only)
+            self._resume(read_only, prompts)
 
-    def _resume(self, read_only: bool) -> None:
+    def _resume(self, read_only: bool, prompts: Sequence[Any] | None) -> None:
         self._end = complete_end(self.path)
         with self.path.open("rb") as f:
             first = f.readline() if self._end else b""
         legacy = self._legacy_header(first.decode(errors="replace")) if first else None
         if legacy is not None:  # written before job files existed: the job was named on line 1
             self._start = len(first)
-        owner = legacy if legacy is not None else self._named_job()
-        if owner != self.fingerprint:
-            whose = f"job {owner}" if owner else f"no job named in {self.job_path.name}: not a jaxsr output"
-            raise ValueError(
-                f"output: {self.path} already holds records of a different job ({whose}; this job is "
-                f"{self.fingerprint}); choose another output path or remove that file"
-            )
-        self.done = {index for index, _, _ in self.lines()}
+        renamed = self._check_owner(legacy if legacy is not None else self._named_job())
+        for index, prompt, _, _ in self._scan():
+            if prompts is not None:
+                self._check_prompt(index, prompt, prompts)
+            self.done.add(index)
         if read_only:
             return
-        if legacy is not None:  # move the job to its own file; the records file becomes plain records
+        if legacy is not None or renamed:  # the job file names this run's config
             self._write_job_file()
+        if legacy is not None:  # the records file becomes plain records
             self._rewrite(self.path, self._start, self._end)
         elif self._end < self.path.stat().st_size:  # a record torn by a kill: drop it, it is redone
             with self.path.open("r+b") as f:
                 f.truncate(self._end)
 
+    def _check_owner(self, job: dict[str, Any]) -> bool:
+        """Refuse an output of another job, naming each key that differs; True when it is this job
+        under other growing keys (a larger `limit`), whose job file is then rewritten."""
+        if job.get("jaxsr_job") == self.fingerprint:
+            return False
+        stored = job.get("config")
+        differing = self.config.differences(stored) if isinstance(stored, dict) else None
+        if differing == []:
+            return True
+        if differing is None:
+            whose = f"no job named in {self.job_path.name}: not a jaxsr output"
+            advice = "choose another output path or remove that file"
+        else:
+            whose, advice = (
+                "; ".join(differing),
+                "set those keys back to resume it, or choose another output path",
+            )
+        raise ValueError(f"output: {self.path} already holds records of a different job ({whose}); {advice}")
+
+    def _check_prompt(self, index: int, prompt: Any, prompts: Sequence[Any]) -> None:
+        """A record must answer the data's prompt at its index: data edited or reordered since the
+        records were written would leave records of prompts the data no longer has."""
+        if index >= len(prompts):
+            raise ValueError(
+                f"output: {self.path} holds a record of prompt {index}, but the data has {len(prompts)} "
+                "prompts; it is not this job's output"
+            )
+        if prompt is not _NO_PROMPT and prompt != prompts[index]:
+            raise ValueError(
+                f"output: {self.path} holds a record of prompt {index} for {_opening(prompt)}, but the "
+                f"data's prompt {index} is {_opening(prompts[index])}: the data changed since the "
+                "records were written; restore it, or choose another output path"
+            )
+
     def lines(self) -> Iterator[tuple[int, int, int]]:
         """(prompt index, offset, length) of each complete record, read one line at a time."""
+        for index, _, offset, length in self._scan():
+            yield index, offset, length
+
+    def _scan(self) -> Iterator[tuple[int, Any, int, int]]:
+        """(prompt index, the record's prompt, offset, length) of each complete record."""
         with self.path.open("rb") as f:
             offset = f.seek(self._start)
             for number, line in enumerate(f, 1):
                 if offset + len(line) > self._end:
                     return
-                yield _record_index(line, number, self.path), offset, len(line)
+                yield *_parse_record(line, number, self.path), offset, len(line)
                 offset += len(line)
 
     def _rewrite(self, source: Path, start: int, end: int) -> None:
@@ -145,20 +191,22 @@ class JsonlOutput:
             _write_durably(self.path, _blocks(f, end - start))
         self._start, self._end = 0, end - start
 
-    def _named_job(self) -> str | None:
-        """The fingerprint in the job file beside the output (None when absent or unreadable)."""
+    def _named_job(self) -> dict[str, Any]:
+        """The job file beside the output ({} when absent or unreadable)."""
         try:
-            return json.loads(self.job_path.read_text()).get("jaxsr_job")
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError):
-            return None
+            job = json.loads(self.job_path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            return {}
+        return job if isinstance(job, dict) else {}
 
     @staticmethod
-    def _legacy_header(line: str) -> str | None:
+    def _legacy_header(line: str) -> dict[str, Any] | None:
+        """The job named on an output's first line (outputs written before job files), else None."""
         try:
             first = json.loads(line)
         except json.JSONDecodeError:
             return None
-        return first.get("jaxsr_job") if isinstance(first, dict) and "index" not in first else None
+        return first if isinstance(first, dict) and "index" not in first and "jaxsr_job" in first else None
 
     def _write_job_file(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -203,15 +251,26 @@ class JsonlOutput:
         self.job_path.unlink(missing_ok=True)
 
 
-def _record_index(line: bytes, number: int, path: Path) -> int:
-    """The prompt index of a record line; a line that is no jaxsr record is refused."""
+_NO_PROMPT = object()
+"""A record without a `prompt` field (nothing to check it against)."""
+
+
+def _parse_record(line: bytes, number: int, path: Path) -> tuple[int, Any]:
+    """(prompt index, prompt) of a record line; a line that is no jaxsr record is refused."""
     try:
-        index = json.loads(line)["index"]
+        record = json.loads(line)
+        index = record["index"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError):
         index = None
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise ValueError(f"output: line {number} of {path} is not a jaxsr record")
-    return index
+    return index, record.get("prompt", _NO_PROMPT)
+
+
+def _opening(prompt: Any, width: int = 60) -> str:
+    """A prompt as an error message shows it: its first characters."""
+    shown = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    return repr(shown if len(shown) <= width else shown[:width] + "…")
 
 
 def _blocks(f: BinaryIO, size: int) -> Iterator[bytes]:
@@ -257,13 +316,11 @@ def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress
         if processes > 1:
             part = part_path(output_path, process, processes)
             held.enter_context(holding(part, beside=[job_file(part)]))
-        prompts = read_prompts(config.data, config.limit)
-        output = JsonlOutput(output_path, config)
-        if output.done and max(output.done) >= len(prompts):
-            raise ValueError(
-                f"output: {output.path} holds a record of prompt {max(output.done)}, but the data has "
-                f"{len(prompts)} prompts; it is not this job's output"
-            )
+        everything = read_prompts(config.data)
+        prompts = everything[: config.limit]
+        output = JsonlOutput(output_path, config, prompts=everything)
+        if processes == 1 and output.done.issuperset(range(len(prompts))) and not _part_files(output):
+            return output.path  # finished: nothing to load
         solver = build(config)
         solver.check(prompts)
         solve, prompts_per_call = solver.solve, solver.prompts_per_call
