@@ -51,8 +51,8 @@ def test_generate_is_the_same_on_any_mesh(lm, data, model):
 
 def _new_rows(model, prompts: int, samples: int, max_new_tokens: int):
     """Every row alive: `samples` of each of `prompts` prompts, seed 0."""
-    request = Request((), [], max_new_tokens, SAMPLING, 0, (), 0)
-    return Layout(0, prompts, prompts, samples, samples).new_rows(model, request)
+    request = Request((), [], max_new_tokens, SAMPLING, 0, (), tuple(range(prompts)))
+    return Layout(tuple(range(prompts)), prompts, samples, samples).new_rows(model, request)
 
 
 def _decode_on_mesh(lm, prompts: int, samples: int, capacity: int = 32):

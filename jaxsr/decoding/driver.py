@@ -181,14 +181,14 @@ def stop_id_matrix(model: Model, rows: int, extra: Sequence[int]) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Which rows a batch holds: `prompts` groups of `rows` rows, each group the rows of one prompt
-    (they attend to its prompt cache). Groups from `real_prompts` on are padding; in a real group the
-    first `live` rows are samples first_sample … (alive while below `num_samples`), the rest padding
-    that lets the batch split over a mesh's `data` shards (see `batches`)."""
+    (they attend to its prompt cache). The first groups are the request's prompts `indices`, the rest
+    padding; in a real group the first `live` rows are samples first_sample … (alive while below
+    `num_samples`), the rest padding that lets the batch split over a mesh's `data` shards (see
+    `batches`)."""
 
-    first_prompt: int
-    """The request index of group 0's prompt."""
+    indices: tuple[int, ...]
+    """The request indices of the real groups' prompts."""
     prompts: int
-    real_prompts: int
     rows: int
     live: int
     first_sample: int = 0
@@ -197,13 +197,15 @@ class Layout:
 
     def new_rows(self, model: Model, request: Request) -> loop.NewRows:
         """`init_state`'s per-row inputs (random streams from the request's seed and prompt offset)."""
-        G, P = self.rows, self.prompts
+        G, P, real_prompts = self.rows, self.prompts, len(self.indices)
         num_samples = self.live if self.num_samples is None else self.num_samples
         sample_ids = np.tile(self.first_sample + np.arange(G), P)
-        real = np.repeat(np.arange(P) < self.real_prompts, G) & np.tile(np.arange(G) < self.live, P)
+        real = np.repeat(np.arange(P) < real_prompts, G) & np.tile(np.arange(G) < self.live, P)
+        ids = [request.prompt_ids[i] for i in self.indices]
+        ids += ids[-1:] * (P - real_prompts)  # padding groups: dead rows, any stream
         return loop.NewRows(
             seed=np.uint32(request.seed),
-            prompt_ids=jnp.arange(P, dtype=jnp.int32) + request.prompt_offset + self.first_prompt,
+            prompt_ids=jnp.asarray(np.array(ids, np.int32)),
             sample_ids=jnp.asarray(sample_ids, jnp.int32),
             alive=jnp.asarray(real & (sample_ids < num_samples)),
             max_new_tokens=jnp.full((P * G,), request.max_new_tokens, jnp.int32),
@@ -217,15 +219,17 @@ def batches(
     """The layouts of each batch of at most `max_rows` rows (plus mesh padding), one per chunk of
     samples sharing the batch's prefill: G = min(num_samples, max_rows) samples of P prompts, P a
     power of two (one compiled shape for every full batch); a prompt with more than G samples gets them
-    in several chunks. Each prompt's rows are padded with dead ones to R ≥ G so that the batch splits
-    over the mesh's `data` shards (R = G without a mesh)."""
+    in several chunks. Prompts are batched shortest first, so that each batch's prompts have about one
+    length and its prefill pads little. Each prompt's rows are padded with dead ones to R ≥ G so that
+    the batch splits over the mesh's `data` shards (R = G without a mesh)."""
     G = min(num_samples, max_rows)
     per_batch = 1 << (max(1, max_rows // G).bit_length() - 1)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     for start in range(0, len(prompts), per_batch):
-        real = len(prompts[start : start + per_batch])
-        P = min(bucket(real, 1), per_batch)
+        indices = tuple(order[start : start + per_batch])
+        P = min(bucket(len(indices), 1), per_batch)
         R = padded_rows(G, mesh, groups=P)
-        yield [Layout(start, P, real, R, G, first, num_samples) for first in range(0, num_samples, G)]
+        yield [Layout(indices, P, R, G, first, num_samples) for first in range(0, num_samples, G)]
 
 
 def samples_of(model: Model, host: DecodeState, scores: Sequence[float] | None = None) -> list[Sample]:
@@ -283,9 +287,9 @@ def decode_batch(
     """One batch of `decode`: prefill its prompts, decode each chunk of samples to the end, and add
     each prompt's rows to `parts` and its stats to `run`."""
     first = layouts[0]
-    start, P, R, real = first.first_prompt, first.prompts, first.rows, first.real_prompts
+    indices, P, R, real = first.indices, first.prompts, first.rows, len(first.indices)
     t0 = time.perf_counter()
-    prefill = sampler.prefill_prompts(request.encoded[start : start + real], P)
+    prefill = sampler.prefill_prompts([request.encoded[i] for i in indices], P)
     jax.block_until_ready(prefill.logits)
     prefill_s = time.perf_counter() - t0
     forwards = np.full(len(sampler.models), prefill.positions)
@@ -300,17 +304,17 @@ def decode_batch(
         compile_s += t2 - t1
         decode_s += time.perf_counter() - t2
         forwards += host.forwards.astype(np.int64) * P * R
-        for p in range(real):
+        for p, i in enumerate(indices):
             group = np.arange(p * R, (p + 1) * R)
-            parts[start + p].append(take_rows(host, group[host.alive[group]]))
+            parts[i].append(take_rows(host, group[host.alive[group]]))
         run.shapes = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state.rows, prefill.caches)
         )
         del state
     run.decode_s += decode_s
     cache_slots = P * R * (bucket(request.max_new_tokens) + sampler.headroom)
-    for p in range(real):
-        run.stats[start + p] = {
+    for i in indices:
+        run.stats[i] = {
             "prefill_s": prefill_s / real,
             "compile_s": compile_s / real,
             "decode_s": decode_s / real,

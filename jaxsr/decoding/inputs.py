@@ -30,8 +30,8 @@ class Request:
     sampling: SamplingConfig
     seed: int
     stop_token_ids: tuple[int, ...]
-    prompt_offset: int
-    """Index of `prompts[0]` in a larger job: split or resumed jobs draw the same random streams."""
+    prompt_ids: tuple[int, ...]
+    """Each prompt's index in its job (its random stream's): split or resumed jobs draw the same."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,8 @@ class Options:
     """Text prompts through the target's chat template (None: when its tokenizer has one)."""
     stop_token_ids: Any = ()
     prompt_offset: Any = 0
-    """Index of `prompts[0]` in a larger job: split or resumed jobs draw the same random streams."""
+    """Index of `prompts[0]` in a larger job, or a list of each prompt's index: split, reordered or
+    resumed jobs draw the same random streams."""
 
 
 def prepare(models: Sequence[Model], prompts: Any, options: Options) -> Request:
@@ -58,8 +59,9 @@ def prepare(models: Sequence[Model], prompts: Any, options: Options) -> Request:
     encoded = encode_prompts(target, prompts, chat=options.chat)
     for model in models:
         check_context(model, encoded, max_new_tokens)
-    stops, offset = check_row_ids(target, options.stop_token_ids, options.prompt_offset)
-    return Request(prompts, encoded, max_new_tokens, sampling, seed, tuple(stops), offset)
+    stops = check_stop_ids(target, options.stop_token_ids)
+    ids = check_prompt_ids(options.prompt_offset, len(encoded))
+    return Request(prompts, encoded, max_new_tokens, sampling, seed, tuple(stops), ids)
 
 
 def check_sampling(sampling: Any) -> SamplingConfig:
@@ -167,8 +169,8 @@ def check_context(model: Model, prompts: list[list[int]], max_new_tokens: int) -
             )
 
 
-def check_row_ids(model: Model, stop_token_ids: Any, prompt_offset: Any) -> tuple[list[int], int]:
-    """Extra stop ids (token ids of `model`) and the index of a call's first prompt in its job."""
+def check_stop_ids(model: Model, stop_token_ids: Any) -> list[int]:
+    """Extra stop ids: token ids of `model`."""
     if (
         isinstance(stop_token_ids, str | bytes)
         or not isinstance(stop_token_ids, Sequence | np.ndarray)
@@ -179,7 +181,21 @@ def check_row_ids(model: Model, stop_token_ids: Any, prompt_offset: Any) -> tupl
     for i in stop_token_ids:
         if not is_int(i) or not 0 <= i < vocab:
             raise ValueError(f"stop_token_ids: expected token ids in [0, {vocab}), got {i!r}")
-    prompt_offset = check_int("prompt_offset", prompt_offset)
-    if not 0 <= prompt_offset < MAX_PROMPT_ID:
-        raise ValueError(f"prompt_offset: expected an int in [0, 2**30), got {prompt_offset}")
-    return [int(i) for i in stop_token_ids], int(prompt_offset)
+    return [int(i) for i in stop_token_ids]
+
+
+def check_prompt_ids(prompt_offset: Any, count: int) -> tuple[int, ...]:
+    """Each prompt's index in its job: `prompt_offset` + position, or `prompt_offset` itself when it
+    lists them (distinct, one per prompt)."""
+    if isinstance(prompt_offset, Sequence | np.ndarray) and not isinstance(prompt_offset, str | bytes):
+        ids = [check_int("prompt_offset", i) for i in prompt_offset]
+        if len(ids) != count or len(set(ids)) != count:
+            raise ValueError(
+                f"prompt_offset: expected {count} distinct prompt indices, got {len(ids)} values"
+            )
+    else:
+        first = check_int("prompt_offset", prompt_offset)
+        ids = list(range(first, first + count))
+    if ids and not (min(ids) >= 0 and max(ids) < MAX_PROMPT_ID):
+        raise ValueError(f"prompt_offset: expected prompt indices in [0, 2**30), got {min(ids)} … {max(ids)}")
+    return tuple(ids)

@@ -1,4 +1,4 @@
-"""Turn a `JobConfig` into loaded models and a `solve(prompts, first_index) -> records` function."""
+"""Turn a `JobConfig` into loaded models and a `solve(prompts, indices) -> records` function."""
 
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.candidates import check_reward
 from jaxsr.search.speculative_rejection import speculative_rejection
 
-Solve = Callable[[list[str], int], list[dict[str, Any]]]
+Solve = Callable[[list[str], list[int]], list[dict[str, Any]]]
+"""The records of prompts whose indices in the job (their random streams) are `indices`."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Solver:
-    """A job's method with its models loaded: `solve(prompts, first_index) -> records`, how many prompts
+    """A job's method with its models loaded: `solve(prompts, indices) -> records`, how many prompts
     a call takes, and `check(prompts)`, which refuses (before any decoding) a prompt the method could
     not take — every prompt of the data, so that a bad one far down fails the job at its start."""
 
@@ -112,8 +113,8 @@ def build_solver(config: JobConfig) -> Solver:
                 **kw,
             )
 
-    def solve(prompts: list[str], first: int) -> list[dict[str, Any]]:
-        return [r.to_dict() for r in run(prompts, prompt_offset=first, **common)]
+    def solve(prompts: list[str], indices: list[int]) -> list[dict[str, Any]]:
+        return [r.to_dict() for r in run(prompts, prompt_offset=indices, **common)]
 
     def check(prompts: list[str]) -> None:
         try:

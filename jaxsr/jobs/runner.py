@@ -1,5 +1,6 @@
 """Run a job: prompts in, one JSONL record per prompt out, written as soon as the call that decoded the
-prompt returns (prompts decoded together in one batch finish together).
+prompt returns (prompts decoded together in one batch finish together). Calls take the pending prompts
+shortest first, so records come out of prompt order: each carries its prompt's `index`.
 
 The output holds nothing but records, so `datasets.load_dataset("json", ...)` reads one row per prompt;
 the job (its fingerprint and config) is named in a job file beside it (`x.jsonl` -> `x.job.json`).
@@ -307,7 +308,7 @@ def part_path(output: Path, process: int, processes: int) -> Path:
 
 def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress: bool = True) -> Path:
     """Run the job: lock the files this process writes, read the prompts, build the solver (which
-    loads the models), check every prompt, then drive `solve(prompts, first_index) -> records` over
+    loads the models), check every prompt, then drive `solve(prompts, indices) -> records` over
     the pending prompts (this process's block of them when several processes run the job)."""
     output_path, process, processes = Path(config.output), jax.process_index(), jax.process_count()
     with contextlib.ExitStack() as held:
@@ -392,19 +393,15 @@ def _solve_into(
     prompts_per_call: int,
     progress: bool,
 ) -> None:
-    pending = [i for i in indices if i not in output.done]
+    """Solve the pending prompts of `indices` into `output`, `prompts_per_call` a call, shortest
+    first: prompts of about one length share a call, so its batches pad little (each prompt keeps its
+    index, and so its random streams and its record's place). Records go out in the order prompts
+    finish; each carries its `index`."""
+    pending = sorted((i for i in indices if i not in output.done), key=lambda i: len(prompts[i]))
     bar = tqdm(total=len(indices), initial=len(indices) - len(pending), disable=not progress, unit="prompt")
     for chunk in chunks(pending, prompts_per_call):
-        # consecutive indices share a call (their random streams are keyed by global index)
-        runs: list[list[int]] = []
-        for i in chunk:
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        for run in runs:
-            records = solve([prompts[i] for i in run], run[0])
-            for i, record in zip(run, records, strict=True):
-                output.write(i, record)
-                bar.update(1)
+        records = solve([prompts[i] for i in chunk], chunk)
+        for i, record in zip(chunk, records, strict=True):
+            output.write(i, record)
+            bar.update(1)
     bar.close()

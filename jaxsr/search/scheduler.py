@@ -158,7 +158,7 @@ class PromptSearch:
         jax.block_until_ready(prefill.logits)
         self._caches = prefill.caches
         rows, segment = policy.first_batch()
-        layout = Layout(self.index, 1, 1, padded_rows(rows, sampler.mesh), rows)
+        layout = Layout((self.index,), 1, padded_rows(rows, sampler.mesh), rows)
         self._state = sampler.start(prefill, layout, self.request, segment)
         self._live, self._segment = rows, segment
         self.ledger.timings["prefill_s"] = time.perf_counter() - t0

@@ -24,6 +24,7 @@ has three stages, each resumable:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import time
 from functools import partial
@@ -239,31 +240,32 @@ def write_chunks(
             todo = [(layout, path) for layout, path in todo if not path.exists()]
             if not todo:
                 continue
-            start, real = layouts[0].first_prompt, layouts[0].real_prompts
-            chunk = request.encoded[start : start + real]
+            chunk = [request.encoded[i] for i in layouts[0].indices]
             prefill = sampler.prefill_prompts(chunk, layouts[0].prompts)
             for layout, path in todo:
                 state = start_labels(labels, sampler.start(prefill, layout, request), prefill.logits[0])
                 state = sampler.decode_loop(state, prefill.caches, NO_PAUSE, observer=labels)
                 host, observed = to_host(state), jax.device_get(state.observation)
-                _write_chunk(path, chunk, start, request.prompt_offset, host, *observed)
+                _write_chunk(path, chunk, layout.rows, host, *observed)
     return paths
 
 
 def _chunk_path(directory: Path, name: str, layout: Layout) -> Path:
-    """`name-<first prompt>.npz`, and the first sample's index where a prompt's samples take several."""
-    more = f"-{layout.first_sample:04d}" if layout.first_sample else ""
-    return directory / f"{name}-{layout.first_prompt:06d}{more}.npz"
+    """`name-<digest of the batch's prompts and first sample>.npz`: a batch's file, whatever order the
+    batches are made in."""
+    digest = hashlib.sha256(repr((layout.indices, layout.first_sample)).encode()).hexdigest()[:16]
+    return directory / f"{name}-{digest}.npz"
 
 
 def _write_chunk(
-    path: Path, prompts: list[list[int]], start: int, offset: int, host: DecodeState, values, ids
+    path: Path, prompts: list[list[int]], rows_per_prompt: int, host: DecodeState, values, ids
 ) -> None:
-    """One batch's alive rows as flat arrays, written to a temporary name and renamed into place."""
+    """One batch's alive rows (`rows_per_prompt` rows of each of `prompts`, in order) as flat arrays,
+    written to a temporary name and renamed into place."""
     seqs, prompt_lengths, label_rows = [], [], []
     for r in np.flatnonzero(host.alive):
         n = int(host.num_generated[r])  # the stop token included: the draft learns to stop
-        prompt = prompts[int(host.prompt_id[r]) - offset - start]
+        prompt = prompts[r // rows_per_prompt]
         seqs.append(np.asarray(prompt + host.tokens[r, :n].tolist(), np.int32))
         prompt_lengths.append(len(prompt))
         label_rows.append(r)
