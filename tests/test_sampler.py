@@ -90,6 +90,23 @@ def test_same_seed_same_tokens_whatever_the_batch_layout(lm):
     assert len({tuple(s.token_ids) for s in whole[0].samples}) == 3
 
 
+def test_prompts_are_batched_by_length_and_keep_their_streams(lm):
+    """Two prompts a batch, in file order long and short alternate; batched shortest first, each batch
+    pads to its own length's bucket (16 or 64 positions instead of 64 for all). Every prompt gets the
+    tokens it gets alone (its streams are keyed by its index), also when a job lists the indices."""
+    lengths = [3, 40, 4, 38, 5, 36, 6, 35]
+    prompts = [[1 + (i + j) % 50 for j in range(n)] for i, n in enumerate(lengths)]
+    results = jaxsr.generate(lm, prompts, max_new_tokens=6, seed=2, max_rows=2)
+    positions = sum(r.stats["prefill_positions"] for r in results)
+    assert [r.stats["prompt_tokens"] for r in results] == lengths
+    assert positions == 2 * 16 + 2 * 16 + 2 * 64 + 2 * 64  # file order would run 8 × 64
+    for i in (1, 2):
+        alone = jaxsr.generate(lm, [prompts[i]], max_new_tokens=6, seed=2, prompt_offset=i)[0]
+        assert alone.samples[0].token_ids == results[i].samples[0].token_ids
+    listed = jaxsr.generate(lm, prompts[::-1], max_new_tokens=6, seed=2, prompt_offset=list(range(8))[::-1])
+    assert [r.samples[0].token_ids for r in listed[::-1]] == [r.samples[0].token_ids for r in results]
+
+
 def test_stop_ids_end_a_row_and_are_not_returned(lm):
     greedy = SamplingConfig(temperature=0)
     free = jaxsr.generate(lm, [PROMPTS[0]], max_new_tokens=8, sampling=greedy)[0].samples[0]

@@ -267,7 +267,8 @@ def decode(sampler: Sampler, request: Request, *, num_samples: int, max_rows: in
     """`num_samples` continuations of each prompt of `request`; each prompt is prefilled once per model.
 
     Per prompt, stats: the work of a batch shared evenly among its real prompts (`prefill_s`,
-    `compile_s`, `decode_s`, `token_forwards` by role), `batch_rows` and `kv_slots` (prompt + row cache
+    `compile_s`, `decode_s`, `token_forwards` by role, `prefill_positions`: prompt positions run,
+    padding included), `prompt_tokens` (its own), `batch_rows` and `kv_slots` (prompt + row cache
     slots of one model) of the batch it was decoded in. Compilation is timed apart so that `decode_s`
     measures decoding alone."""
     parts: list[list[DecodeState]] = [[] for _ in request.encoded]
@@ -319,6 +320,8 @@ def decode_batch(
             "compile_s": compile_s / real,
             "decode_s": decode_s / real,
             "token_forwards": {role: int(n) // real for role, n in zip(sampler.roles, forwards, strict=True)},
+            "prefill_positions": prefill.positions / real,
+            "prompt_tokens": len(request.encoded[i]),
             "batch_rows": P * R,
             "kv_slots": prefill.positions + cache_slots,
         }

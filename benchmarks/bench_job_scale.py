@@ -1,0 +1,197 @@
+"""A dataset job at scale, an older revision and the working tree side by side in one run.
+
+1. The 805-prompt generate job: `jaxsr run` with `method: generate` over every AlpacaFarm evaluation
+   prompt, the shipped SmolLM2 draft, 4 new tokens, one sample (prefill is most of the work). Each
+   revision runs it `--passes` times as a fresh job, alternating (A B, then B A); per revision the
+   fastest pass counts. Reported: wall time, seconds per prompt, peak RSS of the process, the prefill
+   padding ratio (prompt positions run ÷ real prompt tokens; the older revision's from its batching
+   rule: file order, 64 prompts a batch, each padded to the longest's power-of-two bucket) and whether
+   both wrote the same token ids for every prompt.
+2. Resuming a finished output: `--resume-records` synthetic records of ~6 KB (a Best-of-16 record at a
+   few hundred tokens), each revision's `JsonlOutput` reading it in a fresh process: seconds and the
+   RSS it adds over the process after its imports.
+
+    python -m benchmarks.bench_job_scale --old 2c94c50 [--passes 2] [--resume-records 100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from benchmarks.common import table, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = {
+    "method": "generate",
+    "model": "smollm2-draft",
+    "data": "alpaca_farm_eval",
+    "max_new_tokens": 4,
+    "num_samples": 1,
+    "seed": 0,
+}
+RESUME = """
+import resource, sys, time
+from jaxsr.jobs.config import JobConfig
+from jaxsr.jobs.runner import JsonlOutput
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+done = JsonlOutput(sys.argv[1], JobConfig(output=sys.argv[1])).done
+print(len(done), time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
+def run_child(command: list[str], tree: Path) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS in bytes, stdout) of a command run with `tree` first on PYTHONPATH."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "JAXSR_CACHE_DIR": "off"}
+    start = time.perf_counter()
+    child = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    out = child.stdout.read().decode()
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise RuntimeError(f"{command} failed in {tree}")
+    return time.perf_counter() - start, usage.ru_maxrss * 1024, out
+
+
+def tokens_by_index(output: Path) -> dict[int, list[list[int]]]:
+    records = (json.loads(line) for line in output.read_text().splitlines())
+    return {r["index"]: [s["token_ids"] for s in r["samples"]] for r in records}
+
+
+def padding(output: Path) -> float | None:
+    """Prompt positions run ÷ real prompt tokens, from the records' stats (None where they lack them)."""
+    stats = [json.loads(line)["stats"] for line in output.read_text().splitlines()]
+    if "prefill_positions" not in stats[0]:
+        return None
+    return sum(s["prefill_positions"] for s in stats) / sum(s["prompt_tokens"] for s in stats)
+
+
+def file_order_padding() -> float:
+    """The older revision's prefill padding: 64 prompts a batch in file order, each batch padded to a
+    power of two of prompts and to the longest prompt's power-of-two bucket."""
+    from jaxsr.data import read_prompts
+    from jaxsr.decoding.inputs import encode_prompts
+    from jaxsr.ladder import bucket
+    from jaxsr.loading.resolve import resolve_model
+
+    lengths = [
+        len(ids)
+        for ids in encode_prompts(resolve_model("smollm2-draft", "float32"), read_prompts("alpaca_farm_eval"))
+    ]
+    positions = 0
+    for start in range(0, len(lengths), 64):
+        batch = lengths[start : start + 64]
+        positions += min(bucket(len(batch), 1), 64) * bucket(max(batch))
+    return positions / sum(lengths)
+
+
+def job_side_by_side(trees: dict[str, Path], scratch: Path, passes: int) -> list[dict]:
+    walls = {side: [] for side in trees}
+    rss, outputs = {}, {}
+    for p in range(passes):
+        for side in list(trees) if p % 2 == 0 else list(trees)[::-1]:
+            output = scratch / f"{side}-{p}.jsonl"
+            config = scratch / f"{side}-{p}.yaml"
+            config.write_text(yaml.safe_dump({**JOB, "output": str(output)}))
+            command = [sys.executable, "-m", "jaxsr.cli", "run", str(config), "--no-progress"]
+            seconds, peak, _ = run_child(command, trees[side])
+            walls[side].append(seconds)
+            rss[side] = max(rss.get(side, 0), peak)
+            outputs[side] = output
+            print(f"pass {p + 1} {side}: {seconds:.1f} s, peak RSS {peak / 2**30:.2f} GiB", flush=True)
+    same = tokens_by_index(outputs["old"]) == tokens_by_index(outputs["new"])
+    old_padding = padding(outputs["old"]) or file_order_padding()
+    rows = []
+    for side in trees:
+        wall = min(walls[side])
+        rows.append(
+            {
+                "job": f"generate × 805, {side}",
+                "wall_s": wall,
+                "s_per_prompt": wall / 805,
+                "wall_vs_old": wall / min(walls["old"]),
+                "padding": old_padding if side == "old" else padding(outputs[side]),
+                "peak_rss_gib": rss[side] / 2**30,
+                "same_tokens": same,
+                "walls": walls[side],
+            }
+        )
+    return rows
+
+
+def resume_side_by_side(trees: dict[str, Path], scratch: Path, records: int) -> list[dict]:
+    from jaxsr.jobs.config import JobConfig
+    from jaxsr.jobs.runner import job_file
+
+    output = scratch / "synthetic.jsonl"
+    config = JobConfig(output=str(output))
+    job_file(output).write_text(json.dumps({"jaxsr_job": config.fingerprint(), "config": {}}))
+    text = "x" * 6000
+    with output.open("w") as f:
+        for i in range(records):
+            f.write(json.dumps({"index": i, "prompt": f"prompt {i}", "samples": [{"text": text}]}) + "\n")
+    rows = []
+    for side, tree in trees.items():
+        _, _, out = run_child([sys.executable, "-c", RESUME, str(output)], tree)
+        count, seconds, added = out.split()
+        assert int(count) == records
+        rows.append(
+            {
+                "job": f"resume {records} records ({output.stat().st_size / 2**30:.2f} GiB), {side}",
+                "wall_s": float(seconds),
+                "added_rss_mib": int(added) / 1024,
+            }
+        )
+        print(rows[-1], flush=True)
+    output.unlink()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--old", required=True, help="the revision to compare the working tree against")
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--resume-records", type=int, default=100_000)
+    parser.add_argument("--name", default="job_scale")
+    args = parser.parse_args()
+    git = ["git", "-C", str(ROOT)]
+    old = subprocess.run(
+        [*git, "rev-parse", args.old], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    new = subprocess.run(
+        [*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory() as scratch:
+        old_tree = Path(scratch) / "old"
+        subprocess.run(
+            [*git, "worktree", "add", "--detach", str(old_tree), old], check=True, capture_output=True
+        )
+        try:
+            trees = {"old": old_tree, "new": ROOT}
+            jobs = job_side_by_side(trees, Path(scratch), args.passes)
+            resumes = resume_side_by_side(trees, Path(scratch), args.resume_records)
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", str(old_tree)], check=False)
+    print(
+        table(
+            jobs, ["job", "wall_s", "s_per_prompt", "wall_vs_old", "padding", "peak_rss_gib", "same_tokens"]
+        )
+    )
+    print(table(resumes, ["job", "wall_s", "added_rss_mib"]))
+    path = write_result(
+        args.name, {"old": old, "new": new, "args": vars(args), "jobs": jobs, "resumes": resumes}
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
