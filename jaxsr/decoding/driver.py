@@ -11,6 +11,7 @@ same steps."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -219,17 +220,23 @@ def batches(
     """The layouts of each batch of at most `max_rows` rows (plus mesh padding), one per chunk of
     samples sharing the batch's prefill: G = min(num_samples, max_rows) samples of P prompts, P a
     power of two (one compiled shape for every full batch); a prompt with more than G samples gets them
-    in several chunks. Prompts are batched shortest first, so that each batch's prompts have about one
-    length and its prefill pads little. Each prompt's rows are padded with dead ones to R ≥ G so that
-    the batch splits over the mesh's `data` shards (R = G without a mesh)."""
+    in several chunks. Prompts are batched shortest first, each batch within one length bucket (the
+    length its prefill pads to), so that prefill pads little. Each prompt's rows are padded with dead
+    ones to R ≥ G so that the batch splits over the mesh's `data` shards (R = G without a mesh)."""
     G = min(num_samples, max_rows)
     per_batch = 1 << (max(1, max_rows // G).bit_length() - 1)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    for start in range(0, len(prompts), per_batch):
-        indices = tuple(order[start : start + per_batch])
-        P = min(bucket(len(indices), 1), per_batch)
-        R = padded_rows(G, mesh, groups=P)
-        yield [Layout(indices, P, R, G, first, num_samples) for first in range(0, num_samples, G)]
+    groups = itertools.groupby(order, key=lambda i: bucket(len(prompts[i])))
+    for same_length in (list(group) for _, group in groups):
+        for start in range(0, len(same_length), per_batch):
+            yield layouts_of(tuple(same_length[start : start + per_batch]), num_samples, G, mesh)
+
+
+def layouts_of(indices: tuple[int, ...], num_samples: int, G: int, mesh: Mesh | None) -> list[Layout]:
+    """One batch of `indices`' prompts (padded to a power of two), one layout per chunk of G samples."""
+    P = bucket(len(indices), 1)
+    R = padded_rows(G, mesh, groups=P)
+    return [Layout(indices, P, R, G, first, num_samples) for first in range(0, num_samples, G)]
 
 
 def samples_of(model: Model, host: DecodeState, scores: Sequence[float] | None = None) -> list[Sample]:

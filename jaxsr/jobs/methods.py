@@ -34,12 +34,13 @@ Solve = Callable[[list[str], list[int]], list[dict[str, Any]]]
 @dataclasses.dataclass(frozen=True)
 class Solver:
     """A job's method with its models loaded: `solve(prompts, indices) -> records`, how many prompts
-    a call takes, and `check(prompts)`, which refuses (before any decoding) a prompt the method could
-    not take — every prompt of the data, so that a bad one far down fails the job at its start."""
+    a call takes, and `check(prompts) -> token counts`, which refuses (before any decoding) a prompt the
+    method could not take — every prompt of the data, so that a bad one far down fails the job at its
+    start — and gives each prompt's length as the generator reads it (to batch prompts by length)."""
 
     solve: Solve
     prompts_per_call: int
-    check: Callable[[list[str]], None]
+    check: Callable[[list[str]], list[int]]
 
 
 SEARCH_CALL_ROUNDS = 4
@@ -116,15 +117,16 @@ def build_solver(config: JobConfig) -> Solver:
     def solve(prompts: list[str], indices: list[int]) -> list[dict[str, Any]]:
         return [r.to_dict() for r in run(prompts, prompt_offset=indices, **common)]
 
-    def check(prompts: list[str]) -> None:
+    def check(prompts: list[str]) -> list[int]:
         try:
-            prepare(models, prompts, Options(**common))
+            request = prepare(models, prompts, Options(**common))
             if reward is not None:
                 check_reward(reward, models[0], prompts)
         except (ValueError, TypeError) as e:
             if "prompts[" not in str(e):  # a config value (max_new_tokens=0): its own name says it
                 raise
             raise ValueError(f"data: {config.data}: {e}") from None  # the i-th prompt of the data
+        return [len(ids) for ids in request.encoded]
 
     if config.method == "speculative_rejection":  # a call keeps `concurrent_prompts` searches in flight
         per_call = SEARCH_CALL_ROUNDS * config.concurrent_prompts

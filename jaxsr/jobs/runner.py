@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from jaxsr.data import read_prompts
 from jaxsr.jobs.config import JobConfig
 from jaxsr.jobs.methods import Solve, Solver
+from jaxsr.ladder import bucket
 from jaxsr.locks import holding
 
 
@@ -323,31 +324,23 @@ def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress
         if processes == 1 and output.done.issuperset(range(len(prompts))) and not _part_files(output):
             return output.path  # finished: nothing to load
         solver = build(config)
-        solver.check(prompts)
-        solve, prompts_per_call = solver.solve, solver.prompts_per_call
+        work = Work(prompts, solver.check(prompts), solver.solve, solver.prompts_per_call)
         if processes == 1:
             _merge_parts(output, config)  # parts left by a multi-process run
-            _solve_into(output, range(len(prompts)), prompts, solve, prompts_per_call, progress)
+            _solve_into(output, range(len(prompts)), work, progress)
             return output.path
-        return _run_part(output, config, prompts, solve, prompts_per_call, progress)
+        return _run_part(output, config, work, progress)
 
 
-def _run_part(
-    output: JsonlOutput,
-    config: JobConfig,
-    prompts: list[str],
-    solve: Solve,
-    prompts_per_call: int,
-    progress: bool,
-) -> Path:
+def _run_part(output: JsonlOutput, config: JobConfig, work: Work, progress: bool) -> Path:
     """This process's block of a multi-process job into its part file; process 0 then merges."""
-    process, processes = jax.process_index(), jax.process_count()
+    prompts, process, processes = work.prompts, jax.process_index(), jax.process_count()
     block = range(process * len(prompts) // processes, (process + 1) * len(prompts) // processes)
     part = JsonlOutput(part_path(output.path, process, processes), config)
     for other in _part_files(output):  # records of earlier runs, whatever their process count
         part.done |= JsonlOutput(other, config, read_only=True).done
     part.done |= output.done
-    _solve_into(part, block, prompts, solve, prompts_per_call, progress)
+    _solve_into(part, block, work, progress)
     multihost_utils.sync_global_devices(f"jaxsr job {output.fingerprint} decoded")
     missing = _merge_parts(output, config, len(prompts)) if process == 0 else 0
     # every process learns whether the merge found all records (and none waits on a failed process 0)
@@ -385,22 +378,27 @@ def _merge_parts(output: JsonlOutput, config: JobConfig, total: int | None = Non
     return 0
 
 
-def _solve_into(
-    output: JsonlOutput,
-    indices: range,
-    prompts: list[str],
-    solve: Solve,
-    prompts_per_call: int,
-    progress: bool,
-) -> None:
-    """Solve the pending prompts of `indices` into `output`, `prompts_per_call` a call, shortest
-    first: prompts of about one length share a call, so its batches pad little (each prompt keeps its
-    index, and so its random streams and its record's place). Records go out in the order prompts
-    finish; each carries its `index`."""
-    pending = sorted((i for i in indices if i not in output.done), key=lambda i: len(prompts[i]))
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """A job's prompts, their token counts, and the solver's call."""
+
+    prompts: list[str]
+    lengths: list[int]
+    solve: Solve
+    prompts_per_call: int
+
+
+def _solve_into(output: JsonlOutput, indices: range, work: Work, progress: bool) -> None:
+    """Solve the pending prompts of `indices` into `output`, `prompts_per_call` a call, by length:
+    prompts of one length bucket share a call, so its batches pad little (each prompt keeps its index,
+    and so its random streams and its record's place). Records go out in the order prompts finish;
+    each carries its `index`."""
+    lengths = work.lengths
+    pending = [i for i in indices if i not in output.done]
+    pending.sort(key=lambda i: (bucket(lengths[i]), lengths[i]))
     bar = tqdm(total=len(indices), initial=len(indices) - len(pending), disable=not progress, unit="prompt")
-    for chunk in chunks(pending, prompts_per_call):
-        records = solve([prompts[i] for i in chunk], chunk)
+    for chunk in chunks(pending, work.prompts_per_call):
+        records = work.solve([work.prompts[i] for i in chunk], chunk)
         for i, record in zip(chunk, records, strict=True):
             output.write(i, record)
             bar.update(1)
