@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -389,15 +390,20 @@ class Work:
 
 
 def _solve_into(output: JsonlOutput, indices: range, work: Work, progress: bool) -> None:
-    """Solve the pending prompts of `indices` into `output`, `prompts_per_call` a call, by length:
-    prompts of one length bucket share a call, so its batches pad little (each prompt keeps its index,
+    """Solve the pending prompts of `indices` into `output`, by length: a call takes up to
+    `prompts_per_call` prompts of one length bucket, so its batches pad little (each prompt keeps its index,
     and so its random streams and its record's place). Records go out in the order prompts finish;
     each carries its `index`."""
     lengths = work.lengths
     pending = [i for i in indices if i not in output.done]
     pending.sort(key=lambda i: (bucket(lengths[i]), lengths[i]))
+    calls = [
+        chunk
+        for _, same_bucket in itertools.groupby(pending, key=lambda i: bucket(lengths[i]))
+        for chunk in chunks(list(same_bucket), work.prompts_per_call)
+    ]
     bar = tqdm(total=len(indices), initial=len(indices) - len(pending), disable=not progress, unit="prompt")
-    for chunk in chunks(pending, work.prompts_per_call):
+    for chunk in calls:
         records = work.solve([work.prompts[i] for i in chunk], chunk)
         for i, record in zip(chunk, records, strict=True):
             output.write(i, record)
