@@ -17,7 +17,7 @@ import jax
 from jaxsr.checks import check_bool, check_positive_int, check_responses_fit, check_rows_fit
 from jaxsr.decoding import cost
 from jaxsr.decoding.contrast import ContrastKind, make_contrast
-from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Run, Sampler, as_sampler, decode, samples_of
+from jaxsr.decoding.driver import Run, Sampler, as_sampler, decode, default_rows, samples_of
 from jaxsr.decoding.inputs import (
     Options,
     Request,
@@ -91,7 +91,7 @@ def decode_prompts(
     options: Options,
     *,
     num_samples: int,
-    max_rows: int,
+    max_rows: int | None,
     baseline: bool = False,
     measure_cost: bool = False,
 ) -> list[Result]:
@@ -100,9 +100,11 @@ def decode_prompts(
     and, with `baseline`, the measured one against the method's own baseline (`Method.baseline`: the
     target alone for SD, contrastive decoding for SCD)."""
     num_samples = check_positive_int("num_samples", num_samples)
-    max_rows = check_positive_int("max_rows", max_rows)
     baseline, measure_cost = check_bool("baseline", baseline), check_bool("measure_cost", measure_cost)
     request = prepare(sampler.models, prompts, options)
+    if max_rows is None:
+        max_rows = default_rows(sampler, request.max_new_tokens)
+    max_rows = check_positive_int("max_rows", max_rows)
     rows = len(request.encoded) * num_samples
     check_responses_fit("num_samples", rows, request.max_new_tokens)
     mesh = sampler.mesh
@@ -172,12 +174,13 @@ def generate(
     seed: int = 0,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
-    max_rows: int = DEFAULT_MAX_ROWS,
+    max_rows: int | None = None,
     prompt_offset: int = 0,
 ) -> list[Result]:
     """Sample `num_samples` responses to each prompt (one `Result` per prompt, in order).
 
-    `max_rows` bounds the rows decoded together; `prompt_offset` is the index of `prompts[0]` in a
+    `max_rows` bounds the rows decoded together (None: as many as each `data` shard's memory holds,
+    64 a shard where the device does not say, as on CPU); `prompt_offset` is the index of `prompts[0]` in a
     larger job, so split or resumed jobs draw the same random streams as one whole call."""
     check_language_model(model, "model")
     options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
@@ -201,7 +204,7 @@ def contrastive_decode(
     tau: float = 1.0,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
-    max_rows: int = DEFAULT_MAX_ROWS,
+    max_rows: int | None = None,
     prompt_offset: int = 0,
 ) -> list[Result]:
     """Sample `num_samples` responses per prompt from the contrastive distribution (see
@@ -225,7 +228,7 @@ def speculative_decode(
     seed: int = 0,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
-    max_rows: int = DEFAULT_MAX_ROWS,
+    max_rows: int | None = None,
     prompt_offset: int = 0,
     baseline: bool = False,
     measure_cost: bool = False,
@@ -264,7 +267,7 @@ def speculative_contrastive_decode(
     tau: float = 1.0,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
-    max_rows: int = DEFAULT_MAX_ROWS,
+    max_rows: int | None = None,
     prompt_offset: int = 0,
     baseline: bool = False,
     measure_cost: bool = False,

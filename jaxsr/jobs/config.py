@@ -47,7 +47,7 @@ SHARED_KEYS = frozenset(
         "mesh_model",
     ]
 )
-PLACEMENT_KEYS = ("output", "mesh_data", "mesh_model", "concurrent_prompts")
+PLACEMENT_KEYS = ("output", "mesh_data", "mesh_model", "concurrent_prompts", "max_rows")
 """Where a job writes and how it uses its devices: not part of what it computes (results are the same
 on any mesh and with any number of prompts searched at once), so a job may resume elsewhere."""
 LATER_KEYS = ("min_first_segment", "decision_interval", "rule", "min_keep")
@@ -77,6 +77,9 @@ class JobConfig:
     top_k: int = 50
     top_p: float = 1.0
     num_samples: int = 1
+    max_rows: int | None = None
+    """Rows decoded together (generate and two-model methods; None: as many as each `data` shard's
+    memory holds, 64 a shard where the device does not say)."""
     n: int | None = None
     draft: str | None = None
     """The second model of speculative_decode (draft) and (speculative_)contrastive_decode (amateur),
@@ -120,7 +123,14 @@ class JobConfig:
             raise ValueError(f"output: expected a path ending in .jsonl, got {self.output!r}")
         if self.decoder is not None and self.decoder not in DECODERS:
             raise ValueError(f"decoder: expected one of {DECODERS} or None, got {self.decoder!r}")
-        for name in ("limit", "n", "concurrent_prompts", "min_first_segment", "decision_interval"):
+        for name in (
+            "limit",
+            "n",
+            "concurrent_prompts",
+            "min_first_segment",
+            "decision_interval",
+            "max_rows",
+        ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
         if self.rule not in RULES:
@@ -140,9 +150,14 @@ class JobConfig:
     def used_keys(self) -> frozenset[str]:
         """The keys this job's method reads (a key it ignores must keep its default)."""
         if self.method == "generate":
-            return SHARED_KEYS | {"num_samples"}
+            return SHARED_KEYS | {"num_samples", "max_rows"}
         if self.method in PAIR_METHODS:
-            return SHARED_KEYS | {"num_samples", "draft", *DECODER_OPTIONS[PAIR_METHODS[self.method]]}
+            return SHARED_KEYS | {
+                "num_samples",
+                "max_rows",
+                "draft",
+                *DECODER_OPTIONS[PAIR_METHODS[self.method]],
+            }
         keys = SHARED_KEYS | {"reward", "n", "memory_budget", "decoder"}
         if self.method == "speculative_rejection":
             keys |= {"rejection_rate", "concurrent_prompts", *LATER_KEYS}

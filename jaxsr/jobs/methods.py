@@ -16,7 +16,7 @@ from jaxsr.decoding.api import (
     speculative_decode,
     speculative_decoder,
 )
-from jaxsr.decoding.driver import DEFAULT_MAX_ROWS
+from jaxsr.decoding.driver import Sampler, as_sampler, default_rows
 from jaxsr.decoding.inputs import Options, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
@@ -69,8 +69,9 @@ def build_solver(config: JobConfig) -> Solver:
     sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat)
     if config.method == "generate":
+        sampler = as_sampler(model, sampling)
         run: Callable[..., list] = lambda prompts, **kw: generate(
-            model, prompts, num_samples=config.num_samples, **kw
+            model, prompts, num_samples=config.num_samples, max_rows=config.max_rows, **kw
         )
     elif config.method in PAIR_METHODS:
         if config.draft is None:
@@ -79,8 +80,9 @@ def build_solver(config: JobConfig) -> Solver:
         models = (model, second)
         kind = PAIR_METHODS[config.method]
         decode, extra = PAIR_DECODE[kind], {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
+        sampler = DECODER_BUILDERS[kind](model, second, **extra)
         run = lambda prompts, **kw: decode(
-            model, second, prompts, num_samples=config.num_samples, **extra, **kw
+            model, second, prompts, num_samples=config.num_samples, max_rows=config.max_rows, **extra, **kw
         )
     else:
         reward = resolve_reward(config.reward, config.dtype, mesh)
@@ -92,6 +94,7 @@ def build_solver(config: JobConfig) -> Solver:
                 model, resolve_model(config.draft, config.dtype, mesh, key="draft"), **extra
             )
             models = model.models
+        sampler = as_sampler(model, sampling)
         if config.method == "best_of_n":
             if config.n is None:
                 raise ValueError("n: best_of_n needs n")
@@ -128,9 +131,14 @@ def build_solver(config: JobConfig) -> Solver:
             raise ValueError(f"data: {config.data}: {e}") from None  # the i-th prompt of the data
         return [len(ids) for ids in request.encoded]
 
+    return Solver(solve, prompts_per_call(config, sampler), check)
+
+
+def prompts_per_call(config: JobConfig, sampler: Sampler) -> int:
+    """Speculative Rejection: `SEARCH_CALL_ROUNDS` prompts per prompt in flight. Else as many prompts
+    as one batch of rows holds: `max_rows`, or as many as the `data` shards' memory holds."""
     if config.method == "speculative_rejection":  # a call keeps `concurrent_prompts` searches in flight
-        per_call = SEARCH_CALL_ROUNDS * config.concurrent_prompts
-    else:  # a call decodes as many prompts' rows as one batch of DEFAULT_MAX_ROWS holds
-        key = "n" if config.method == "best_of_n" else "num_samples"
-        per_call = max(1, DEFAULT_MAX_ROWS // check_positive_int(key, getattr(config, key)))
-    return Solver(solve, per_call, check)
+        return SEARCH_CALL_ROUNDS * config.concurrent_prompts
+    key = "n" if config.method == "best_of_n" else "num_samples"
+    rows = config.max_rows if config.max_rows is not None else default_rows(sampler, config.max_new_tokens)
+    return max(1, rows // check_positive_int(key, getattr(config, key)))

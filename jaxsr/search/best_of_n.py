@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxsr.checks import check_positive_int, check_responses_fit
-from jaxsr.decoding.driver import DEFAULT_MAX_ROWS, Sampler, as_sampler, decode, samples_of
+from jaxsr.decoding.driver import Sampler, as_sampler, decode, default_rows, samples_of
 from jaxsr.decoding.inputs import Options, check_sampling, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.model import Model
@@ -44,8 +44,9 @@ def best_of_n(
     check_reward(reward, sampler.target, prompts, request.encoded)
     lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens
     check_responses_fit("n", len(encoded) * n, max_new_tokens)
-    max_rows = DEFAULT_MAX_ROWS
-    if memory_budget is not None:
+    if memory_budget is None:
+        max_rows = default_rows(sampler, max_new_tokens)
+    else:
         max_rows = best_of_n_rows(sampler, memory_budget, encoded, n, max_new_tokens)
     t0 = time.perf_counter()
     run = decode(sampler, request, num_samples=n, max_rows=max_rows)

@@ -93,11 +93,16 @@ def prompt_budget(
     sampler: Sampler, memory_budget: Any, prompt_slots: int, max_new_tokens: int, n: int | None, copies: int
 ) -> int:
     """One prompt's search budget in slots of all of the sampler's caches, `copies` prompts in flight:
-    `memory_budget` as given, or a share of the device's free memory, or (on CPU) n full rows."""
+    `memory_budget` as given; or the devices' free memory, shared by the prompts in flight — the rows
+    split over the `data` shards, each shard holding every prompt's cache in flight, so a budget B
+    needs copies·(prompt + (B − prompt)/shards) slots of each device; or (on CPU) n full rows."""
+    mesh = sampler.mesh
     fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
-    budget = budget_slots(memory_budget, sampler.slot_bytes, fallback, sampler.mesh, copies=copies)
-    if memory_budget is None and fallback is None:
-        budget //= copies  # derived from the device: shared by the prompts in flight
+    budget = budget_slots(memory_budget, sampler.slot_bytes, fallback, mesh, copies=copies)
+    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
+    if memory_budget is None and device_free_bytes(devices) is not None:  # `budget`: one device's
+        shards = 1 if mesh is None else mesh.shape.get("data", 1)
+        budget = shards * budget // copies - (shards - 1) * prompt_slots
     return budget
 
 
