@@ -216,19 +216,17 @@ def test_a_derived_memory_budget_is_the_fullest_mesh_device(monkeypatch):
     assert memory.budget_slots(None, slot_bytes=10, mesh=half) == int(1400 * memory.DEVICE_HEADROOM) // 10
 
 
-def test_a_derived_search_budget_counts_every_data_shard(lm, monkeypatch):
-    """Each of 4 `data` shards holds its share of the rows and every prompt's cache in flight: a
-    prompt's budget is 4 devices' free slots less 3 more prompt caches, split among the prompts."""
+def test_a_derived_search_budget_is_shared_by_the_prompts_in_flight(lm, monkeypatch):
+    """Derived from the device, a prompt's budget is the fullest device's free slots split among the
+    prompts in flight, with `n` given or not (with `n`, each prompt took the whole device before)."""
     from jaxsr.search import memory
 
     sampler = as_sampler(shard_model(lm, make_mesh(data=4, model=2)), SAMPLING)
     monkeypatch.setattr(memory, "device_free_bytes", lambda devices: 10**6)
     one_device = int(10**6 * memory.DEVICE_HEADROOM) // sampler.slot_bytes
-    assert memory.prompt_budget(sampler, None, 16, 32, None, copies=1) == 4 * one_device - 3 * 16
-    assert memory.prompt_budget(sampler, None, 16, 32, 8, copies=2) == 4 * one_device // 2 - 3 * 16
-    alone = as_sampler(lm, SAMPLING)
-    assert memory.prompt_budget(alone, None, 16, 32, None, copies=2) == one_device // 2
-    assert memory.prompt_budget(sampler, 4096, 16, 32, None, copies=1) == 4096  # as given
+    assert memory.prompt_budget(sampler, None, 16, 32, None, copies=1) == one_device
+    assert memory.prompt_budget(sampler, None, 16, 32, 8, copies=2) == one_device // 2
+    assert memory.prompt_budget(sampler, 4096, 16, 32, None, copies=2) == 4096  # as given
 
 
 def test_best_of_n_decodes_as_many_rows_as_the_data_shards_hold(lm):
@@ -240,7 +238,7 @@ def test_best_of_n_decodes_as_many_rows_as_the_data_shards_hold(lm):
     from jaxsr.rewards import SelfLikelihood
 
     sharded = shard_model(lm, make_mesh(data=8))
-    assert default_rows(as_sampler(sharded, SAMPLING), 16) == 512
+    assert default_rows(as_sampler(sharded, SAMPLING)) == 512
     job = JobConfig(method="best_of_n", reward="self_likelihood", n=8, mesh_data=-1)
     assert prompts_per_call(job, as_sampler(sharded, SAMPLING)) == 64
     assert prompts_per_call(JobConfig(max_rows=32, num_samples=4), as_sampler(sharded, SAMPLING)) == 8

@@ -103,7 +103,7 @@ def decode_prompts(
     baseline, measure_cost = check_bool("baseline", baseline), check_bool("measure_cost", measure_cost)
     request = prepare(sampler.models, prompts, options)
     if max_rows is None:
-        max_rows = default_rows(sampler, request.max_new_tokens)
+        max_rows = default_rows(sampler)
     max_rows = check_positive_int("max_rows", max_rows)
     rows = len(request.encoded) * num_samples
     check_responses_fit("num_samples", rows, request.max_new_tokens)
@@ -175,13 +175,13 @@ def generate(
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
     max_rows: int | None = None,
-    prompt_offset: int = 0,
+    prompt_offset: int | Sequence[int] = 0,
 ) -> list[Result]:
     """Sample `num_samples` responses to each prompt (one `Result` per prompt, in order).
 
-    `max_rows` bounds the rows decoded together (None: as many as each `data` shard's memory holds,
-    64 a shard where the device does not say, as on CPU); `prompt_offset` is the index of `prompts[0]` in a
-    larger job, so split or resumed jobs draw the same random streams as one whole call."""
+    `max_rows` bounds the rows decoded together (None: 64 a `data` shard); `prompt_offset` is the
+    index of `prompts[0]` in a larger job, or a list of each prompt's index, so split, reordered or
+    resumed jobs draw the same random streams as one whole call."""
     check_language_model(model, "model")
     options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
     return decode_prompts(
@@ -205,7 +205,7 @@ def contrastive_decode(
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
     max_rows: int | None = None,
-    prompt_offset: int = 0,
+    prompt_offset: int | Sequence[int] = 0,
 ) -> list[Result]:
     """Sample `num_samples` responses per prompt from the contrastive distribution (see
     `jaxsr.decoding.contrast`); greedy when `sampling.temperature == 0`. Prompts are encoded with the
@@ -229,7 +229,7 @@ def speculative_decode(
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
     max_rows: int | None = None,
-    prompt_offset: int = 0,
+    prompt_offset: int | Sequence[int] = 0,
     baseline: bool = False,
     measure_cost: bool = False,
 ) -> list[Result]:
@@ -268,7 +268,7 @@ def speculative_contrastive_decode(
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
     max_rows: int | None = None,
-    prompt_offset: int = 0,
+    prompt_offset: int | Sequence[int] = 0,
     baseline: bool = False,
     measure_cost: bool = False,
 ) -> list[Result]:

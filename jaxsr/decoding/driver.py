@@ -22,7 +22,6 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxsr import text
-from jaxsr.checks import device_free_bytes
 from jaxsr.decoding import loop
 from jaxsr.decoding.contrast import Contrast
 from jaxsr.decoding.inputs import Request
@@ -35,11 +34,7 @@ from jaxsr.results import Sample
 from jaxsr.sharding import mesh_of, on_mesh, padded_rows
 
 DEFAULT_MAX_ROWS = 64
-"""Rows a call decodes per `data` shard where the device does not report its free memory (CPU)."""
-MAX_ROWS_PER_SHARD = 1024
-"""At most this many rows a shard by default: a batch's prefill takes memory the plan does not count."""
-ROW_MEMORY_SHARE = 0.9
-"""Share of a device's free memory the rows' caches may take by default."""
+"""Rows a call decodes per `data` shard unless told (`default_rows`); `decode`'s default in all."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,18 +161,13 @@ def as_sampler(sampler: Any, sampling: SamplingConfig) -> Sampler:
     )
 
 
-def default_rows(sampler: Sampler, max_new_tokens: int) -> int:
-    """Rows one call decodes when not told (`max_rows=None`): per `data` shard, as many as the fullest
-    device's free memory holds (their caches, at most MAX_ROWS_PER_SHARD), or DEFAULT_MAX_ROWS where the
-    device does not say (CPU); times the shards, rounded down to a power of two."""
+def default_rows(sampler: Sampler) -> int:
+    """Rows one call decodes when not told (`max_rows=None`): DEFAULT_MAX_ROWS a `data` shard, times
+    the shards, rounded down to a power of two. (Not yet from free memory: a batch's prompt caches and
+    its prefill's activations take memory that no plan counts yet.)"""
     mesh = sampler.mesh
     shards = 1 if mesh is None else mesh.shape.get("data", 1)
-    free = device_free_bytes(jax.local_devices()[:1] if mesh is None else list(mesh.local_devices))
-    per_shard = DEFAULT_MAX_ROWS
-    if free is not None:
-        row_bytes = sampler.slot_bytes * (bucket(max_new_tokens) + sampler.headroom)
-        per_shard = min(MAX_ROWS_PER_SHARD, max(1, int(free * ROW_MEMORY_SHARE) // row_bytes))
-    return 1 << ((per_shard * shards).bit_length() - 1)
+    return 1 << ((DEFAULT_MAX_ROWS * shards).bit_length() - 1)
 
 
 class Prefill(NamedTuple):

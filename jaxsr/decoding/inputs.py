@@ -190,9 +190,7 @@ def check_prompt_ids(prompt_offset: Any, count: int) -> tuple[int, ...]:
     if isinstance(prompt_offset, Sequence | np.ndarray) and not isinstance(prompt_offset, str | bytes):
         ids = [check_int("prompt_offset", i) for i in prompt_offset]
         if len(ids) != count or len(set(ids)) != count:
-            raise ValueError(
-                f"prompt_offset: expected {count} distinct prompt indices, got {len(ids)} values"
-            )
+            raise ValueError(f"prompt_offset: expected {count} distinct prompt indices, got {ids[:8]}")
     else:
         first = check_int("prompt_offset", prompt_offset)
         ids = list(range(first, first + count))

@@ -78,8 +78,7 @@ class JobConfig:
     top_p: float = 1.0
     num_samples: int = 1
     max_rows: int | None = None
-    """Rows decoded together (generate and two-model methods; None: as many as each `data` shard's
-    memory holds, 64 a shard where the device does not say)."""
+    """Rows decoded together (generate and two-model methods; None: 64 a `data` shard)."""
     n: int | None = None
     draft: str | None = None
     """The second model of speculative_decode (draft) and (speculative_)contrastive_decode (amateur),

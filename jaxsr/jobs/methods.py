@@ -136,9 +136,9 @@ def build_solver(config: JobConfig) -> Solver:
 
 def prompts_per_call(config: JobConfig, sampler: Sampler) -> int:
     """Speculative Rejection: `SEARCH_CALL_ROUNDS` prompts per prompt in flight. Else as many prompts
-    as one batch of rows holds: `max_rows`, or as many as the `data` shards' memory holds."""
+    as one batch of rows holds: `max_rows`, or 64 a `data` shard."""
     if config.method == "speculative_rejection":  # a call keeps `concurrent_prompts` searches in flight
         return SEARCH_CALL_ROUNDS * config.concurrent_prompts
     key = "n" if config.method == "best_of_n" else "num_samples"
-    rows = config.max_rows if config.max_rows is not None else default_rows(sampler, config.max_new_tokens)
+    rows = config.max_rows if config.max_rows is not None else default_rows(sampler)
     return max(1, rows // check_positive_int(key, getattr(config, key)))

@@ -321,7 +321,7 @@ def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress
             held.enter_context(holding(part, beside=[job_file(part)]))
         everything = read_prompts(config.data)
         prompts = everything[: config.limit]
-        output = JsonlOutput(output_path, config, prompts=everything)
+        output = JsonlOutput(output_path, config, prompts=everything, read_only=process != 0)
         if processes == 1 and output.done.issuperset(range(len(prompts))) and not _part_files(output):
             return output.path  # finished: nothing to load
         solver = build(config)
@@ -370,7 +370,7 @@ def _merge_parts(output: JsonlOutput, config: JobConfig, total: int | None = Non
     for source in [output, *parts] if output.path.exists() else parts:
         for index, offset, length in source.lines():
             where.setdefault(index, (source.path, offset, length))
-    missing = 0 if total is None else total - len(where)
+    missing = 0 if total is None else sum(i not in where for i in range(total))  # past a limit: not counted
     if missing:
         return missing
     output.replace_with(where)

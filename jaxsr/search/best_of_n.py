@@ -29,7 +29,7 @@ def best_of_n(
     memory_budget: int | str | None = None,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
-    prompt_offset: int = 0,
+    prompt_offset: int | Sequence[int] = 0,
 ) -> list[Result]:
     """N samples per prompt, all scored; `Result.best` is the argmax, `Result.samples` all N.
 
@@ -45,7 +45,7 @@ def best_of_n(
     lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens
     check_responses_fit("n", len(encoded) * n, max_new_tokens)
     if memory_budget is None:
-        max_rows = default_rows(sampler, max_new_tokens)
+        max_rows = default_rows(sampler)
     else:
         max_rows = best_of_n_rows(sampler, memory_budget, encoded, n, max_new_tokens)
     t0 = time.perf_counter()

@@ -93,16 +93,15 @@ def prompt_budget(
     sampler: Sampler, memory_budget: Any, prompt_slots: int, max_new_tokens: int, n: int | None, copies: int
 ) -> int:
     """One prompt's search budget in slots of all of the sampler's caches, `copies` prompts in flight:
-    `memory_budget` as given; or the devices' free memory, shared by the prompts in flight — the rows
-    split over the `data` shards, each shard holding every prompt's cache in flight, so a budget B
-    needs copies·(prompt + (B − prompt)/shards) slots of each device; or (on CPU) n full rows."""
+    `memory_budget` as given; or the fullest device's free memory shared by the prompts in flight (not
+    yet times the `data` shards: a rung with fewer rows than shards, or mesh padding rows, would put more
+    than a device's share on one device); or (on CPU) n full rows."""
     mesh = sampler.mesh
     fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
     budget = budget_slots(memory_budget, sampler.slot_bytes, fallback, mesh, copies=copies)
     devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
-    if memory_budget is None and device_free_bytes(devices) is not None:  # `budget`: one device's
-        shards = 1 if mesh is None else mesh.shape.get("data", 1)
-        budget = shards * budget // copies - (shards - 1) * prompt_slots
+    if memory_budget is None and device_free_bytes(devices) is not None:
+        budget //= copies  # derived from the device, n given or not: shared by the prompts in flight
     return budget
 
 

@@ -299,11 +299,12 @@ def decode_together(sampler: Sampler, members: list[PromptSearch]) -> None:
     stacked = bucket(len(members), 1)
     taken += taken[:1] * (stacked - len(members))  # padding: copies of the first, marked dead
     G = taken[0][0].tokens.shape[0]
+    counters = tuple((np.int32(t[2][0]), t[2][1].astype(np.int32)) for t in taken)
     state, caches = stack(tuple(t[0] for t in taken), tuple(t[1] for t in taken), jnp.int32(len(members)))
+    del taken  # the members' own states: only the stack holds the rows now
     pauses += pauses[:1] * (stacked - len(members))
     state = sampler.decode_loop(state, caches, jnp.asarray(np.repeat(np.array(pauses, np.int32), G)))
     host = to_host(state)
-    counters = tuple((np.int32(t[2][0]), t[2][1].astype(np.int32)) for t in taken)
     parts = split(state, counters, stacked=stacked)[: len(members)]
     seconds = time.perf_counter() - t0
     for p, (member, part) in enumerate(zip(members, parts, strict=True)):

@@ -183,7 +183,7 @@ def speculative_rejection(
     concurrent_prompts: int = 1,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
-    prompt_offset: int = 0,
+    prompt_offset: int | Sequence[int] = 0,
 ) -> list[Result]:
     """Speculative Rejection per prompt; `rejection_rate=0` with a budget that holds all n rows is
     exactly `best_of_n` with the same seed. `model` is a language model or a two-model sampler. See

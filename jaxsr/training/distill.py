@@ -251,9 +251,10 @@ def write_chunks(
 
 
 def _chunk_path(directory: Path, name: str, layout: Layout) -> Path:
-    """`name-<digest of the batch's prompts and first sample>.npz`: a batch's file, whatever order the
+    """`name-<digest of the batch's prompts and samples>.npz`: a batch's file, whatever order the
     batches are made in."""
-    digest = hashlib.sha256(repr((layout.indices, layout.first_sample)).encode()).hexdigest()[:16]
+    key = (layout.indices, layout.first_sample, layout.live)
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     return directory / f"{name}-{digest}.npz"
 
 
