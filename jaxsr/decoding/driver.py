@@ -207,7 +207,7 @@ class Layout:
     """Samples the call draws per prompt (None: `live`)."""
 
     def new_rows(self, model: Model, request: Request) -> loop.NewRows:
-        """`init_state`'s per-row inputs (random streams from the request's seed and prompt offset)."""
+        """`init_state`'s per-row inputs (random streams from the request's seed and prompt indices)."""
         G, P, real_prompts = self.rows, self.prompts, len(self.indices)
         num_samples = self.live if self.num_samples is None else self.num_samples
         sample_ids = np.tile(self.first_sample + np.arange(G), P)
@@ -249,22 +249,20 @@ def layouts_of(indices: tuple[int, ...], num_samples: int, G: int, mesh: Mesh | 
     return [Layout(indices, P, R, G, first, num_samples) for first in range(0, num_samples, G)]
 
 
-def samples_of(model: Model, host: DecodeState, scores: Sequence[float] | None = None) -> list[Sample]:
+def samples_of(model: Model, host: DecodeState) -> list[Sample]:
     """`Sample`s of every row of `host` (a decoded batch's rows on the host, `state.to_host`), texts
-    decoded with `model`'s tokenizer in one batch."""
+    decoded with `model`'s tokenizer in one batch; unscored (`search.candidates.score_samples`)."""
     responses = [response(host, r) for r in range(len(host.alive))]
     texts = text.decode_batch(model.tokenizer, responses)
-    scores = [None] * len(responses) if scores is None else [float(s) for s in scores]
     return [
         Sample(
             token_ids=ids,
             text=t,
-            score=s,
             finished=bool(host.finished[r]),
             logprob=float(host.logprob_sum[r]),
             index=int(host.sample_id[r]),
         )
-        for r, (ids, t, s) in enumerate(zip(responses, texts, scores, strict=True))
+        for r, (ids, t) in enumerate(zip(responses, texts, strict=True))
     ]
 
 

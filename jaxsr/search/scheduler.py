@@ -141,8 +141,6 @@ class PromptSearch:
         self._caches: tuple = ()
         """The prompt's caches in every model (prefilled once)."""
         self._host: DecodeState | None = None
-        self._live_rows = np.zeros(0, np.int64)
-        """The state's rows that are alive after the last round (the rows of `samples`)."""
         self._live, self._segment = 0, 0
         """Alive rows of the state and their cache segment (set where the rows are made)."""
         self._counters = (0, np.zeros(len(sampler.models), np.int64))
@@ -208,12 +206,12 @@ class PromptSearch:
         t0 = time.perf_counter()
         before = self.reward.token_forwards
         host, state, model = self._host, self._state, self.sampler.target
-        self._live_rows = np.flatnonzero(host.alive)
+        live_rows = np.flatnonzero(host.alive)
         on_device = None
         if self.scorer is not None:
             lengths = state.num_generated - state.finished
-            on_device = np.asarray(self.scorer(state.tokens, lengths))[self._live_rows]
-        samples = samples_of(model, take_rows(host, self._live_rows))
+            on_device = np.asarray(self.scorer(state.tokens, lengths))[live_rows]
+        samples = samples_of(model, take_rows(host, live_rows))
         self.samples = score_samples(model, self.reward, self.prompt, self.ids, samples, on_device)
         self.ledger.reward_forwards += self.reward.token_forwards - before
         self.ledger.timings["scoring_s"] += time.perf_counter() - t0
@@ -228,7 +226,8 @@ class PromptSearch:
         if decision is None:
             return self._finish()
         order = np.argsort(decision.keep, kind="stable")  # survivors stay in row order
-        survivors = [int(self._live_rows[decision.keep[i]]) for i in order]
+        live_rows = np.flatnonzero(host.alive)  # the rows of `samples`
+        survivors = [int(live_rows[decision.keep[i]]) for i in order]
         ids = decision.sample_ids
         self._compact(survivors, decision.batch, None if ids is None else [ids[i] for i in order])
 
