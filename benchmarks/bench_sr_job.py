@@ -32,20 +32,20 @@ from benchmarks.bench_speculative_rejection import interpolate_compute, paper_sc
 from benchmarks.common import RESULTS, table, write_result
 from jaxsr.data import read_prompts
 from jaxsr.decoding.inputs import encode_prompts
-from jaxsr.jobs.demo import CompileClock
 from jaxsr.ladder import bucket
 from jaxsr.loading.resolve import resolve_model, resolve_reward
+from jaxsr.timing import compiling
 
 BUCKET = 64
 SAMPLING = jaxsr.SamplingConfig(temperature=1.0, top_k=50, top_p=1.0)
 
 
-def timed(clock: CompileClock, call) -> tuple[list[jaxsr.Result], float]:
+def timed(call) -> tuple[list[jaxsr.Result], float]:
     """The call's results and its wall seconds less the time JAX spent compiling during it."""
     start = time.time()
     results = call()
     end = time.time()
-    return results, end - start - clock.seconds(start, end)
+    return results, end - start - compiling(start, end)
 
 
 def first_batch(results: list[jaxsr.Result]) -> int:
@@ -95,18 +95,17 @@ def main() -> None:
             )  # fmt: skip
     runs: dict[str, tuple[list[jaxsr.Result], float]] = {}
     walls: dict[str, list[float]] = {name: [] for name in calls}
-    with CompileClock() as clock:
-        for repeat in range(args.repeats):  # every method once per pass: drift hits them alike
-            for name, call in calls.items():
-                results, seconds = timed(clock, call)
-                walls[name].append(seconds)
-                if name in runs:
-                    check_same_answers(name, runs[name][0], results)
-                runs[name] = (results, min(walls[name]))
-                print(
-                    f"pass {repeat + 1}, {name} (first batch {first_batch(results)}): {seconds:.1f} s",
-                    flush=True,
-                )
+    for repeat in range(args.repeats):  # every method once per pass: drift hits them alike
+        for name, call in calls.items():
+            results, seconds = timed(call)
+            walls[name].append(seconds)
+            if name in runs:
+                check_same_answers(name, runs[name][0], results)
+            runs[name] = (results, min(walls[name]))
+            print(
+                f"pass {repeat + 1}, {name} (first batch {first_batch(results)}): {seconds:.1f} s",
+                flush=True,
+            )
 
     def best(results: list[jaxsr.Result]) -> np.ndarray:
         return np.array([r.best.score for r in results])

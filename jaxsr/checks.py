@@ -70,6 +70,12 @@ def check_bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def check_callback(name: str, value: Any) -> None:
+    """None or a callable."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{name}: expected a function or None, got {type(value).__name__}")
+
+
 RESPONSE_BYTES = 380
 TOKEN_BYTES = 43
 """Host memory one returned `Sample` and each of its tokens take at least (measured with tracemalloc:

@@ -23,8 +23,10 @@ from repository import copy_repository
 from jaxsr.cli import main
 from jaxsr.data import read_prompts
 from jaxsr.jobs.config import LATER_KEYS, JobConfig, load_job_config
-from jaxsr.jobs.runner import job_file
+from jaxsr.jobs.runner import JsonlOutput, job_file
 from jaxsr.locks import lock_path
+from jaxsr.search.scheduler import PromptSearch
+from jaxsr.search.speculative_rejection import speculative_rejection
 
 PROMPTS = ["Name a color.", "Say hi.", "Count to three.", "Pick a fruit."]
 
@@ -946,3 +948,54 @@ def test_records_of_prompts_the_data_no_longer_has_are_refused(job, tmp_path, ca
     err = capsys.readouterr().err
     assert re.search(r"record of prompt [01] for '(Name a color|Say hi)", err) and "the data changed" in err
     assert output.read_bytes() == before
+
+
+def test_a_search_job_writes_each_record_as_its_search_ends(job, monkeypatch):
+    """Calls of several prompts searched one at a time: each record is on disk before the next search
+    starts, not when its call returns."""
+    path, output = job
+    events: list[str] = []
+
+    def logged(name: str, function):
+        def run(*args, **kwargs):
+            events.append(name)
+            return function(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(PromptSearch, "start", logged("start", PromptSearch.start))
+    monkeypatch.setattr(JsonlOutput, "write", logged("write", JsonlOutput.write))
+    monkeypatch.setattr("jaxsr.jobs.methods.speculative_rejection", logged("call", speculative_rejection))
+    overrides = [
+        "method=speculative_rejection", "num_samples=1", "reward=self_likelihood", "n=4",
+        "memory_budget=192", "max_new_tokens=8", "limit=4", "concurrent_prompts=1",
+    ]  # fmt: skip
+    assert cli("run", str(path), *overrides) == 0
+    calls = ",".join(events).split("call,")[1:]
+    assert len(calls) < 4 and all(
+        c.rstrip(",") == ",".join(["start,write"] * c.count("start")) for c in calls
+    )
+    assert sorted(r["index"] for r in read_jsonl(output)[1]) == [0, 1, 2, 3]
+
+
+def test_a_job_says_what_it_does_and_sums_up_at_the_end(job, capsys):
+    """Status lines before decoding, a bar over the prompts with an ETA, and a summary: prompts, new
+    tokens, mean best reward, padding, and where the time went."""
+    path, output = job
+    overrides = ["method=best_of_n", "num_samples=1", "reward=self_likelihood", "n=2", "limit=3"]
+    capsys.readouterr()
+    assert main(["run", str(path), *overrides]) == 0
+    err = capsys.readouterr().err
+    for line in ("jaxsr: reading", "jaxsr: loading model", "jaxsr: checking 3 prompts", "3/3 prompts", "ETA"):
+        assert line in err, line
+    records = read_jsonl(output)[1]
+    tokens = sum(len(s["token_ids"]) for r in records for s in r["samples"])
+    mean_best = sum(r["best"]["score"] for r in records) / 3
+    assert "3 written by this run" in err and f"{tokens} new tokens" in err
+    assert f"mean best reward {mean_best:.4f}" in err
+    split = re.search(
+        r"time +read .* load .* check .*\n +compile .* prefill .* decode .* reward .* write .* other", err
+    )
+    assert split, err
+    assert main(["run", str(path), *overrides]) == 0  # done: nothing loaded, and it says so
+    assert "all 3 prompts are done; nothing to load" in capsys.readouterr().err

@@ -57,6 +57,24 @@ def test_packed_prompts_get_the_result_each_gets_alone(lm, alone, concurrent):
     assert_same_search(packed, alone)
 
 
+def test_each_result_is_handed_on_as_its_search_ends(lm, alone):
+    """`on_result(i, result)` is called once per prompt, as its search ends (searches end out of prompt
+    order), with what the call then returns."""
+    ended = []
+    packed = search(lm, 3, on_result=lambda i, result: ended.append((i, result)))
+    assert sorted(i for i, _ in ended) == list(range(len(PROMPTS)))
+    assert [i for i, _ in ended] != list(range(len(PROMPTS)))
+    for i, result in ended:
+        assert result.samples == packed[i].samples and result.best == packed[i].best
+    with pytest.raises(TypeError, match="on_result: expected a function"):
+        search(lm, 3, on_result=[])
+    ended = []
+    best = jaxsr.best_of_n(
+        lm, SelfLikelihood(), PROMPTS[:2], n=2, max_new_tokens=4, on_result=lambda i, r: ended.append((i, r))
+    )
+    assert [(i, r.best) for i, r in ended] == [(0, best[0].best), (1, best[1].best)]
+
+
 def test_the_searches_reject_and_diverge(alone):
     """What the comparisons above rest on: every prompt rejects, and finished rows send some prompts to
     other rungs than the rest (so stacks form, split and re-form)."""
@@ -71,7 +89,7 @@ def test_each_prompt_stays_within_its_budget_and_shares_the_wall_time(lm):
     packed = search(lm, 3)
     elapsed = time.perf_counter() - t0
     budget = packed[0].stats["memory_budget_slots"]
-    parts = ("prefill_s", "decode_s", "scoring_s", "compaction_s")
+    parts = ("prefill_s", "decode_s", "scoring_s", "compaction_s", "compile_s")
     for r in packed:
         assert max(r.stats["kv_bytes"]) <= budget * lm.kv_slot_bytes
         assert r.stats["wall_s"] > 0 and r.stats["host_s"] >= -1e-9

@@ -32,6 +32,7 @@ from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Sample
 from jaxsr.sharding import mesh_of, on_mesh, padded_rows
+from jaxsr.timing import Stopwatch
 
 DEFAULT_MAX_ROWS = 64
 """Rows a call decodes per `data` shard unless told (`default_rows`); `decode`'s default in all."""
@@ -304,12 +305,12 @@ def decode_batch(
     each prompt's rows to `parts` and its stats to `run`."""
     first = layouts[0]
     indices, P, R, real = first.indices, first.prompts, first.rows, len(first.indices)
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     prefill = sampler.prefill_prompts([request.encoded[i] for i in indices], P)
     jax.block_until_ready(prefill.logits)
-    prefill_s = time.perf_counter() - t0
+    prefill_s, compile_s = watch.split()
     forwards = np.full(len(sampler.models), prefill.positions)
-    compile_s = decode_s = 0.0
+    decode_s = 0.0
     for layout in layouts:
         state = sampler.start(prefill, layout, request)
         t1 = time.perf_counter()

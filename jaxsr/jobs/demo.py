@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from jax import monitoring
 from tqdm.auto import tqdm
 
 from jaxsr.checks import check_positive_int, check_seed
@@ -38,6 +37,7 @@ from jaxsr.loading.resolve import resolve_model, resolve_reward
 from jaxsr.results import Result
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.speculative_rejection import check_rejection_rate, speculative_rejection
+from jaxsr.timing import compiling
 
 DATA = "alpaca_farm_100"
 PROMPT_BUCKET = 64  # every demo prompt's chat-templated length lies in this bucket: one prompt shape
@@ -106,31 +106,30 @@ def run_demo(
         f"{BASE_N} × {bucket(max_new_tokens)}) for every search"
     )
 
-    clock = CompileClock()
+    began = time.time()
     bar = tqdm(
         total=count * (len(ns) + 3), disable=not progress, unit="call", file=sys.stderr, dynamic_ncols=True
     )
     status("compiling… (each batch shape compiles on first use; wall times leave that time out)")
     sr_label = f"SR α={rejection_rate:g}"
     searched: dict[str, list[Result]] = {sr_label: [], **{f"Best-of-{n}": [] for n in ns}}
-    with clock:
-        for index, prompt in picked:
-            search = dict(memory_budget=budget, prompt_offset=index, **common)
-            # SR first: it pays for the reward's one embedding of the prompt, which later calls reuse
-            runs: list[tuple[str, Callable[..., list[Result]], dict[str, Any]]] = [
-                (sr_label, speculative_rejection, {"rejection_rate": rejection_rate}),
-                *((f"Best-of-{n}", best_of_n, {"n": n}) for n in ns),
-            ]
-            for label, method, options in runs:
-                bar.set_description(f"#{index} {label}")
-                start = time.time()
-                (result,) = method(lm, reward, [prompt], **options, **search)
-                end = time.time()
-                # the demo's own timing of the whole call, and the compiling inside it
-                result.stats.update(call_s=end - start, jax_compile_s=clock.seconds(start, end))
-                searched[label].append(result)
-                bar.set_postfix_str(f"compiled {clock.seconds():.0f} s")
-                bar.update()
+    for index, prompt in picked:
+        search = dict(memory_budget=budget, prompt_offset=index, **common)
+        # SR first: it pays for the reward's one embedding of the prompt, which later calls reuse
+        runs: list[tuple[str, Callable[..., list[Result]], dict[str, Any]]] = [
+            (sr_label, speculative_rejection, {"rejection_rate": rejection_rate}),
+            *((f"Best-of-{n}", best_of_n, {"n": n}) for n in ns),
+        ]
+        for label, method, options in runs:
+            bar.set_description(f"#{index} {label}")
+            start = time.time()
+            (result,) = method(lm, reward, [prompt], **options, **search)
+            end = time.time()
+            # the demo's own timing of the whole call, and the compiling inside it
+            result.stats.update(call_s=end - start, jax_compile_s=compiling(start, end))
+            searched[label].append(result)
+            bar.set_postfix_str(f"compiled {compiling(began):.0f} s")
+            bar.update()
     emit(search_report(picked, searched, ns, sr_label, budget, rejection_rate))
 
     status(f"loading {AMATEUR} (the amateur)…")
@@ -161,44 +160,6 @@ def run_demo(
     plot_reward_vs_compute(plot, searched, ns, sr_label, budget, count, max_new_tokens)
     emit(f"records: {records} ({rows} lines, one per method and prompt)\nplot:    {plot}")
     return {"records": records, "plot": plot}
-
-
-class CompileClock:
-    """Time JAX spends tracing, lowering and compiling, from `jax.monitoring`'s time spans (their union:
-    nested traces count once). A search call's wall time includes compiling the shapes it uses first;
-    jaxsr's search functions do not time that apart, so the demo subtracts it."""
-
-    EVENTS = frozenset(
-        (
-            "/jax/core/compile/jaxpr_trace_duration",
-            "/jax/core/compile/jaxpr_to_mlir_module_duration",
-            "/jax/core/compile/backend_compile_duration",
-        )
-    )
-
-    def __init__(self) -> None:
-        self.spans: list[tuple[float, float]] = []
-
-    def _record(self, event: str, start: float, end: float, **_: Any) -> None:
-        if event in self.EVENTS:
-            self.spans.append((start, end))
-
-    def __enter__(self) -> CompileClock:
-        monitoring.register_event_time_span_listener(self._record)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        monitoring.unregister_event_time_span_listener(self._record)
-
-    def seconds(self, start: float = 0.0, end: float = float("inf")) -> float:
-        """Compiling time within [start, end] (`time.time()` seconds)."""
-        total, reach = 0.0, start
-        for a, b in sorted(self.spans):
-            a, b = max(a, reach), min(b, end)
-            if b > a:
-                total += b - a
-                reach = b
-        return total
 
 
 def status(message: str) -> None:

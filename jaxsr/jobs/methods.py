@@ -1,4 +1,4 @@
-"""Turn a `JobConfig` into loaded models and a `solve(prompts, indices) -> records` function."""
+"""Turn a `JobConfig` into loaded models and a `solve(prompts, indices, write)` function."""
 
 from __future__ import annotations
 
@@ -22,18 +22,22 @@ from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.loading.resolve import mesh_from_keys, resolve_model, resolve_reward
 from jaxsr.models.model import Model
+from jaxsr.results import Result
 from jaxsr.rewards import Reward
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.candidates import check_reward
 from jaxsr.search.speculative_rejection import speculative_rejection
 
-Solve = Callable[[list[str], list[int]], list[dict[str, Any]]]
-"""The records of prompts whose indices in the job (their random streams) are `indices`."""
+Write = Callable[[int, dict[str, Any]], None]
+"""Takes a prompt's record as soon as the prompt is done: (its index in the job, the record)."""
+Solve = Callable[[list[str], list[int], Write], None]
+"""Solves `prompts`, whose indices in the job (their random streams) are `indices`, handing each
+record to `write`."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Solver:
-    """A job's method with its models loaded: `solve(prompts, indices) -> records`, how many prompts
+    """A job's method with its models loaded: `solve(prompts, indices, write)`, how many prompts
     a call takes, and `check(prompts) -> token counts`, which refuses (before any decoding) a prompt the
     method could not take — every prompt of the data, so that a bad one far down fails the job at its
     start — and gives each prompt's length as the generator reads it (to batch prompts by length)."""
@@ -43,9 +47,11 @@ class Solver:
     check: Callable[[list[str]], list[int]]
 
 
-SEARCH_CALL_ROUNDS = 4
+SEARCH_CALL_ROUNDS = 16
 """A speculative_rejection call takes this many prompts per prompt in flight: enough that a finished
-search's place is refilled most of the time, few enough that a killed job redoes little."""
+search's place is refilled nearly always (a call's last searches run with fewer beside them). Records
+are written as searches end, so a kill loses only the searches in flight; a call's results are held
+until it returns, so calls stay bounded."""
 
 # the call of each two-model method, and the builder of each `decoder` the search methods run over
 PAIR_DECODE: dict[str, Callable[..., list]] = {
@@ -117,8 +123,15 @@ def build_solver(config: JobConfig) -> Solver:
                 **kw,
             )
 
-    def solve(prompts: list[str], indices: list[int]) -> list[dict[str, Any]]:
-        return [r.to_dict() for r in run(prompts, prompt_offset=indices, **common)]
+    def solve(prompts: list[str], indices: list[int], write: Write) -> None:
+        def ended(i: int, result: Result) -> None:
+            write(indices[i], result.to_dict())
+
+        if reward is not None:  # a search method: each result is written as its search ends
+            run(prompts, prompt_offset=indices, on_result=ended, **common)
+            return
+        for i, result in enumerate(run(prompts, prompt_offset=indices, **common)):  # a batch ends at once
+            ended(i, result)
 
     def check(prompts: list[str]) -> list[int]:
         try:

@@ -27,6 +27,7 @@ import glob
 import itertools
 import json
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -34,11 +35,11 @@ from typing import Any, BinaryIO
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from tqdm.auto import tqdm
 
 from jaxsr.data import read_prompts
 from jaxsr.jobs.config import JobConfig
 from jaxsr.jobs.methods import Solve, Solver
+from jaxsr.jobs.progress import Progress
 from jaxsr.ladder import bucket
 from jaxsr.locks import holding
 
@@ -310,30 +311,49 @@ def part_path(output: Path, process: int, processes: int) -> Path:
 
 def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress: bool = True) -> Path:
     """Run the job: lock the files this process writes, read the prompts, build the solver (which
-    loads the models), check every prompt, then drive `solve(prompts, indices) -> records` over
-    the pending prompts (this process's block of them when several processes run the job)."""
+    loads the models), check every prompt, then drive `solve` over the pending prompts (this process's
+    share of them when several processes run the job). Status lines and a bar go to stderr when
+    `progress`; the summary at the end always."""
     output_path, process, processes = Path(config.output), jax.process_index(), jax.process_count()
+    report = Progress(progress)
     with contextlib.ExitStack() as held:
         if process == 0:
             held.enter_context(holding(output_path, beside=[job_file(output_path)]))
         if processes > 1:
             part = part_path(output_path, process, processes)
             held.enter_context(holding(part, beside=[job_file(part)]))
-        everything = read_prompts(config.data)
-        prompts = everything[: config.limit]
-        output = JsonlOutput(output_path, config, prompts=everything, read_only=process != 0)
+        with report.phase("read", f"reading {config.data} and {output_path}…"):
+            everything = read_prompts(config.data)
+            prompts = everything[: config.limit]
+            output = JsonlOutput(output_path, config, prompts=everything, read_only=process != 0)
         if processes == 1 and output.done.issuperset(range(len(prompts))) and not _part_files(output):
-            return output.path  # finished: nothing to load
-        solver = build(config)
-        work = Work(prompts, solver.check(prompts), solver.solve, solver.prompts_per_call)
+            report.status(f"{output.path}: all {len(prompts)} prompts are done; nothing to load")
+            return output.path
+        with report.phase("load", f"loading {_models(config)}…"):
+            solver = build(config)
+        with report.phase("check", f"checking {len(prompts)} prompts…"):
+            lengths = solver.check(prompts)
+        work = Work(prompts, lengths, solver.solve, solver.prompts_per_call, config.max_new_tokens)
         if processes == 1:
             _merge_parts(output, config)  # parts left by a multi-process run
-            _solve_into(output, range(len(prompts)), work, progress)
-            return output.path
-        return _run_part(output, config, work, progress)
+            _solve_into(output, range(len(prompts)), work, report)
+        else:
+            _run_part(output, config, work, report)
+        report.finish(str(output.path), len(prompts))
+        return output.path
 
 
-def _run_part(output: JsonlOutput, config: JobConfig, work: Work, progress: bool) -> Path:
+def _models(config: JobConfig) -> str:
+    """The models a job loads, as its status line names them."""
+    named = [f"model {config.model}"]
+    if config.draft is not None:
+        named.append(f"draft {config.draft}")
+    if config.reward is not None:
+        named.append(f"reward {config.reward}")
+    return ", ".join(named)
+
+
+def _run_part(output: JsonlOutput, config: JobConfig, work: Work, report: Progress) -> None:
     """This process's block of a multi-process job into its part file; process 0 then merges."""
     prompts, process, processes = work.prompts, jax.process_index(), jax.process_count()
     block = range(process * len(prompts) // processes, (process + 1) * len(prompts) // processes)
@@ -341,7 +361,7 @@ def _run_part(output: JsonlOutput, config: JobConfig, work: Work, progress: bool
     for other in _part_files(output):  # records of earlier runs, whatever their process count
         part.done |= JsonlOutput(other, config, read_only=True).done
     part.done |= output.done
-    _solve_into(part, block, work, progress)
+    _solve_into(part, block, work, report)
     multihost_utils.sync_global_devices(f"jaxsr job {output.fingerprint} decoded")
     missing = _merge_parts(output, config, len(prompts)) if process == 0 else 0
     # every process learns whether the merge found all records (and none waits on a failed process 0)
@@ -351,7 +371,6 @@ def _run_part(output: JsonlOutput, config: JobConfig, work: Work, progress: bool
             f"output: {missing} of {len(prompts)} records are in no part file visible from process 0; "
             f"every host must write {output.path.parent} on a filesystem they share (parts are kept)"
         )
-    return output.path
 
 
 def _part_files(output: JsonlOutput) -> list[Path]:
@@ -381,19 +400,20 @@ def _merge_parts(output: JsonlOutput, config: JobConfig, total: int | None = Non
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """A job's prompts, their token counts, and the solver's call."""
+    """A job's prompts, their token counts, the solver's call, and each response's token budget."""
 
     prompts: list[str]
     lengths: list[int]
     solve: Solve
     prompts_per_call: int
+    max_new_tokens: int
 
 
-def _solve_into(output: JsonlOutput, indices: range, work: Work, progress: bool) -> None:
+def _solve_into(output: JsonlOutput, indices: range, work: Work, report: Progress) -> None:
     """Solve the pending prompts of `indices` into `output`, by length: a call takes up to
-    `prompts_per_call` prompts of one length bucket, so its batches pad little (each prompt keeps its index,
-    and so its random streams and its record's place). Records go out in the order prompts finish;
-    each carries its `index`."""
+    `prompts_per_call` prompts of one length bucket, so its batches pad little (each prompt keeps its
+    index, and so its random streams and its record's place). Each record is written as soon as its
+    prompt is done (a search's as it ends; a batch's prompts end together) and carries its `index`."""
     lengths = work.lengths
     pending = [i for i in indices if i not in output.done]
     pending.sort(key=lambda i: (bucket(lengths[i]), lengths[i]))
@@ -402,10 +422,12 @@ def _solve_into(output: JsonlOutput, indices: range, work: Work, progress: bool)
         for _, same_bucket in itertools.groupby(pending, key=lambda i: bucket(lengths[i]))
         for chunk in chunks(list(same_bucket), work.prompts_per_call)
     ]
-    bar = tqdm(total=len(indices), initial=len(indices) - len(pending), disable=not progress, unit="prompt")
+
+    def write(index: int, record: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        output.write(index, record)
+        report.wrote(index, record, time.perf_counter() - start)
+
+    report.start(len(indices), {i: lengths[i] + work.max_new_tokens for i in pending})
     for chunk in calls:
-        records = work.solve([work.prompts[i] for i in chunk], chunk)
-        for i, record in zip(chunk, records, strict=True):
-            output.write(i, record)
-            bar.update(1)
-    bar.close()
+        work.solve([work.prompts[i] for i in chunk], chunk, write)

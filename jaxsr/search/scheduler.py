@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NamedTuple, Protocol
 
@@ -44,6 +44,7 @@ from jaxsr.results import Result, Sample
 from jaxsr.rewards.base import Reward
 from jaxsr.search.candidates import best, score_samples, token_scorer
 from jaxsr.sharding import padded_rows
+from jaxsr.timing import Stopwatch
 
 
 class Batch(NamedTuple):
@@ -97,14 +98,22 @@ class Ledger:
 
     forwards: dict[str, int]
     timings: dict[str, float] = dataclasses.field(
-        default_factory=lambda: dict.fromkeys(("prefill_s", "decode_s", "scoring_s", "compaction_s"), 0.0)
+        default_factory=lambda: dict.fromkeys(
+            ("prefill_s", "decode_s", "scoring_s", "compaction_s", "compile_s"), 0.0
+        )
     )
     reward_forwards: int = 0
     rounds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     wall: float = 0.0
 
+    def add(self, stage: str, seconds: tuple[float, float]) -> None:
+        """A stage's (running, compiling) seconds: running to the stage's timing, compiling (a
+        shape's first use) to `compile_s`."""
+        self.timings[stage] += seconds[0]
+        self.timings["compile_s"] += seconds[1]
+
     def spent(self) -> float:
-        """Seconds attributed to the search so far (prefill, decode, scoring, compaction)."""
+        """Seconds attributed to the search so far (prefill, decode, scoring, compaction, compiling)."""
         return sum(self.timings.values())
 
     def stats(self) -> dict[str, Any]:
@@ -149,7 +158,7 @@ class PromptSearch:
     def start(self) -> None:
         """Prefill the prompt in every model (its slots padded to the policy's) and set up the first
         batch's rows, each with its first token (sample ids 0 … B0−1: Best-of-N's random streams)."""
-        t0 = time.perf_counter()
+        watch = Stopwatch()
         sampler, policy = self.sampler, self.policy
         self.scorer = token_scorer(sampler.target, self.reward, self.prompt, self.request.max_new_tokens)
         prefill = sampler.prefill_prompts([self.ids], 1, policy.prompt_slots)
@@ -159,7 +168,7 @@ class PromptSearch:
         layout = Layout((self.index,), 1, padded_rows(rows, sampler.mesh), rows)
         self._state = sampler.start(prefill, layout, self.request, segment)
         self._live, self._segment = rows, segment
-        self.ledger.timings["prefill_s"] = time.perf_counter() - t0
+        self.ledger.add("prefill_s", watch.split())
 
     def shape(self) -> tuple[int, ...]:
         """What fixes the compiled shapes of this prompt's next round: searches with equal shapes can
@@ -176,9 +185,10 @@ class PromptSearch:
         state, self._state = self._state, None
         return state, self._caches, self._counters
 
-    def end_round(self, state: DecodeState, host: DecodeState, seconds: float, counters: tuple) -> None:
-        """Take the round's decoded rows back (`host`: them on the host) and log the round: `counters`
-        are the state's (steps, positions per row per model) after it."""
+    def end_round(self, state: DecodeState, host: DecodeState, seconds: tuple, counters: tuple) -> None:
+        """Take the round's decoded rows back (`host`: them on the host) and log the round: `seconds`
+        its (running, compiling) share, `counters` the state's (steps, positions per row per model)
+        after it."""
         steps, forwards = counters[0] - self._counters[0], counters[1] - self._counters[1]
         batch, slots = len(host.alive), state.rows[0].capacity  # segment + look-ahead headroom
         end = int(host.num_generated[host.alive].max(initial=self.generated))
@@ -191,10 +201,10 @@ class PromptSearch:
                 "live_rows": self._live,
                 "steps": int(steps),
                 "kv_bytes": (self.policy.prompt_slots + batch * slots) * self.sampler.slot_bytes,
-                "decode_s": seconds,
+                "decode_s": seconds[0],
             }
         )
-        ledger.timings["decode_s"] += seconds
+        ledger.add("decode_s", seconds)
         for role, n in zip(self.sampler.roles, forwards, strict=True):
             ledger.forwards[role] += int(n) * batch
         self._counters = (counters[0], self._counters[1] + forwards)
@@ -203,7 +213,7 @@ class PromptSearch:
     def score(self) -> None:
         """Every live row of the round as a scored `Sample` (partial or complete). An on-device scorer
         reads the decode buffer where it lies."""
-        t0 = time.perf_counter()
+        watch = Stopwatch()
         before = self.reward.token_forwards
         host, state, model = self._host, self._state, self.sampler.target
         live_rows = np.flatnonzero(host.alive)
@@ -214,7 +224,7 @@ class PromptSearch:
         samples = samples_of(model, take_rows(host, live_rows))
         self.samples = score_samples(model, self.reward, self.prompt, self.ids, samples, on_device)
         self.ledger.reward_forwards += self.reward.token_forwards - before
-        self.ledger.timings["scoring_s"] += time.perf_counter() - t0
+        self.ledger.add("scoring_s", watch.split())
 
     def decide(self) -> None:
         """A decision point: the policy's, and the survivors gathered into its batch — or the search
@@ -233,7 +243,7 @@ class PromptSearch:
 
     def _compact(self, survivors: list[int], batch: Batch, sample_ids: list[int] | None) -> None:
         """Gather the survivors into the batch (padded with dead rows to the mesh) and its caches."""
-        t0 = time.perf_counter()
+        watch = Stopwatch()
         size = padded_rows(batch.rows, self.sampler.mesh)
         padding = size - len(survivors)
         index = jnp.asarray(np.array(survivors + survivors[:1] * padding, np.int32))
@@ -243,7 +253,7 @@ class PromptSearch:
         capacity = batch.segment + self.sampler.headroom
         self._state = self.sampler.compact(self._state, index, alive, capacity, sample_ids)
         self._live, self._segment = len(survivors), batch.segment
-        self.ledger.timings["compaction_s"] += time.perf_counter() - t0
+        self.ledger.add("compaction_s", watch.split())
 
     def _finish(self) -> None:
         self.final = self.policy.final(self.samples)
@@ -254,12 +264,18 @@ class PromptSearch:
         return Result(prompt=self.prompt, samples=self.final, best=best(self.final), stats=stats)
 
 
-def run_searches(sampler: Sampler, searches: Sequence[PromptSearch], concurrent: int) -> None:
-    """Run every search to its end, at most `concurrent` at once (see the module docstring). A stack's
-    decode time is shared evenly among its prompts (`decode_s`: they have the same rows). Each prompt's
-    `wall_s` is the time spent on it (prefill, its decode share, scoring, compaction) plus an even share
-    of the round's time spent on no prompt in particular, so a prompt's parts never exceed its wall time
-    and the prompts' wall times add up to the call's."""
+def run_searches(
+    sampler: Sampler,
+    searches: Sequence[PromptSearch],
+    concurrent: int,
+    on_end: Callable[[PromptSearch], None] | None = None,
+) -> None:
+    """Run every search to its end, at most `concurrent` at once (see the module docstring), calling
+    `on_end(search)` as each one ends (a job writes its record then). A stack's decode time is shared
+    evenly among its prompts (`decode_s`: they have the same rows). Each prompt's `wall_s` is the time
+    spent on it (prefill, its decode share, scoring, compaction, compiling) plus an even share of the
+    round's time spent on no prompt in particular, so a prompt's parts never exceed its wall time and
+    the prompts' wall times add up to the call's (the time spent in `on_end` is not counted)."""
     pending, running = list(searches)[::-1], []
     while pending or running:
         t0 = time.perf_counter()
@@ -281,6 +297,9 @@ def run_searches(sampler: Sampler, searches: Sequence[PromptSearch], concurrent:
         share = max(0.0, time.perf_counter() - t0 - sum(own)) / len(running)
         for search, mine in zip(running, own, strict=True):
             search.ledger.wall += mine + share
+        for search in running:
+            if search.finished and on_end is not None:
+                on_end(search)
         running = [s for s in running if not s.finished]
 
 
@@ -288,12 +307,12 @@ def decode_together(sampler: Sampler, members: list[PromptSearch]) -> None:
     """One round of every member (same shapes) in one decode loop; each takes its rows back."""
     pauses = [m.begin_round() for m in members]
     taken = [m.take_state() for m in members]
-    t0 = time.perf_counter()
+    watch = Stopwatch()
     if len(members) == 1:  # alone: the state decodes as it is
         state, caches, _ = taken[0]
         state = sampler.decode_loop(state, caches, jnp.asarray(pauses[0], jnp.int32))
         host = to_host(state)  # the state's counters are cumulative
-        members[0].end_round(state, host, time.perf_counter() - t0, (host.steps, host.forwards))
+        members[0].end_round(state, host, watch.split(), (host.steps, host.forwards))
         return
     stacked = bucket(len(members), 1)
     taken += taken[:1] * (stacked - len(members))  # padding: copies of the first, marked dead
@@ -305,11 +324,12 @@ def decode_together(sampler: Sampler, members: list[PromptSearch]) -> None:
     state = sampler.decode_loop(state, caches, jnp.asarray(np.repeat(np.array(pauses, np.int32), G)))
     host = to_host(state)
     parts = split(state, counters, stacked=stacked)[: len(members)]
-    seconds = time.perf_counter() - t0
+    run, compiled = watch.split()
+    seconds = (run / len(members), compiled / len(members))
     for p, (member, part) in enumerate(zip(members, parts, strict=True)):
         mine = take_rows(host, slice(p * G, (p + 1) * G))
         totals = (counters[p][0] + host.steps, counters[p][1] + host.forwards)
-        member.end_round(part, mine, seconds / len(members), totals)
+        member.end_round(part, mine, seconds, totals)
 
 
 @jax.jit

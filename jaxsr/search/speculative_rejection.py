@@ -41,12 +41,12 @@ partial response is scored as it stands).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from jaxsr.checks import check_positive_int, is_int, is_real
+from jaxsr.checks import check_callback, check_positive_int, is_int, is_real
 from jaxsr.decoding.driver import Sampler, as_sampler
 from jaxsr.decoding.inputs import Options, check_sampling, prepare
 from jaxsr.decoding.sampling import SamplingConfig
@@ -184,6 +184,7 @@ def speculative_rejection(
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
     prompt_offset: int | Sequence[int] = 0,
+    on_result: Callable[[int, Result], None] | None = None,
 ) -> list[Result]:
     """Speculative Rejection per prompt; `rejection_rate=0` with a budget that holds all n rows is
     exactly `best_of_n` with the same seed. `model` is a language model or a two-model sampler. See
@@ -198,7 +199,10 @@ def speculative_rejection(
 
     `min_prompt_bucket` pads every prompt to at least that many slots (a power of two), so prompts of
     different lengths share compiled programs (on accelerators, where compiles are costly); the padding
-    counts against the memory budget."""
+    counts against the memory budget.
+
+    `on_result(i, result)` is called with prompt `i`'s result as soon as its search ends (searches end
+    out of prompt order), before the call returns the list."""
     sampler = as_sampler(model, check_sampling(sampling))
     reward = as_reward(reward)
     config = SearchConfig.checked(
@@ -207,6 +211,7 @@ def speculative_rejection(
     if n is not None:
         n = check_positive_int("n", n)
     concurrent_prompts = check_positive_int("concurrent_prompts", concurrent_prompts)
+    check_callback("on_result", on_result)
     options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
     request = prepare(sampler.models, prompts, options)
     check_reward(reward, sampler.target, prompts, request.encoded)
@@ -224,7 +229,8 @@ def speculative_rejection(
         )  # fmt: skip
         searches.append(PromptSearch(sampler, reward, request, i, Rejection(config, plan)))
     with sampler.on_mesh():
-        run_searches(sampler, searches, concurrent_prompts)
+        ended = None if on_result is None else lambda search: on_result(search.index, search.result())
+        run_searches(sampler, searches, concurrent_prompts, ended)
     return [s.result() for s in searches]
 
 
