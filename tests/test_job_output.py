@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxsr.jobs.config import JobConfig
-from jaxsr.jobs.runner import JsonlOutput, _merge_parts, job_file, part_path
+from jaxsr.jobs.runner import JsonlOutput, _merge_parts, job_file, part_path, share_of
 
 CONFIG = JobConfig(output="unused.jsonl")
 RECORD_BYTES = 6000  # a Best-of-16 record at a few hundred tokens
@@ -102,3 +102,16 @@ def test_a_line_that_is_no_record_and_a_foreign_output_are_refused(tmp_path):
     write_output(path, [0])
     with pytest.raises(ValueError, match="already holds records of a different job"):
         JsonlOutput(path, other)
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3, 8])
+def test_shares_of_a_job_hold_every_prompt_once_and_nearly_the_same_weight(processes):
+    """Half the prompts 10x heavier than the rest, in one block: every share's weight is within one
+    prompt's of every other's."""
+    weights = [400] * 50 + [40] * 50 + [7] * 3
+    pending = [i for i in range(len(weights)) if i % 7]  # some are done
+    shares = [share_of(pending, weights, p, processes) for p in range(processes)]
+    assert sorted(i for share in shares for i in share) == pending
+    loads = [sum(weights[i] for i in share) for share in shares]
+    assert max(loads) - min(loads) <= max(weights)
+    assert shares == [share_of(pending, weights, p, processes) for p in range(processes)]  # every host agrees

@@ -360,13 +360,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LONG = [f"Write a short poem about the number {i} and explain each line of it." for i in range(4)]
+"""Prompts about three times the others' length."""
+
+
 @pytest.mark.slow
-def test_two_processes_split_a_job_and_process_0_merges_it(job, tmp_path):
+def test_two_processes_split_a_job_by_tokens_and_process_0_merges_it(job, tmp_path):
+    """The first half of the prompts is long: the processes' shares hold nearly the same token count
+    (contiguous blocks would give one of them 2/3 of the tokens), and the merged output is the
+    single-process one."""
     path, output = job
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [*LONG, *PROMPTS]))
     single = tmp_path / "single.jsonl"
-    assert cli("run", str(path), f"output={single}") == 0
+    assert cli("run", str(path), f"output={single}", f"data={data}") == 0
     _, expected = read_jsonl(single)
-    # a part left by an earlier 2-process run that was killed: process 1 must not redo prompt 2
+    # a part left by an earlier 2-process run that was killed: neither process may redo prompt 2
     line_2 = next(
         line for line in single.read_text().splitlines(keepends=True) if json.loads(line)["index"] == 2
     )
@@ -376,20 +385,30 @@ def test_two_processes_split_a_job_and_process_0_merges_it(job, tmp_path):
     shutil.copy(job_file(single), job_file(part_1))
     port = free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}  # 4 devices a host
-    command = [sys.executable, "-m", "jaxsr.cli", "run", str(path), "mesh_data=-1", "--no-progress"]
+    command = [sys.executable, "-m", "jaxsr.cli", "run", str(path), "mesh_data=-1", f"data={data}"]
     hosts = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id"]
     processes = [
         subprocess.Popen([*command, *hosts, str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for i in range(2)
     ]
     outcomes = [p.communicate(timeout=600) for p in processes]
-    for p, (out, err) in zip(processes, outcomes, strict=True):
+    tokens = []
+    for i, (p, (out, err)) in enumerate(zip(processes, outcomes, strict=True)):
         assert p.returncode == 0, err.decode()[-3000:]
         assert out.decode().strip().splitlines()[-1] == str(output)  # after gloo's connection log
+        share = re.search(rf"process {i} of 2: (\d) of 7 pending prompts \((\d+) tokens\)", err.decode())
+        assert share, err.decode()[-3000:]
+        tokens.append(int(share[2]))
+    lengths = {r["index"]: r["stats"]["prompt_tokens"] for r in expected}
+    long_half = sum(lengths[i] for i in range(4) if i != 2)
+    assert sum(tokens) == sum(lengths.values()) - lengths[2] and long_half > 0.65 * sum(tokens)
+    assert max(tokens) < 0.55 * sum(tokens)
     _, records = read_jsonl(output)
-    assert [r["index"] for r in records] == [0, 1, 2, 3]
+    assert [r["index"] for r in records] == list(range(8))
     assert_same_up_to_rounding(records, expected)
-    assert output.read_text().splitlines(keepends=True)[2] == line_2  # the old part's record, stats too
+    assert [
+        line for line in output.read_text().splitlines(keepends=True) if json.loads(line)["index"] == 2
+    ] == [line_2]  # the old part's record, stats too
     assert not list(output.parent.glob("*.part-*"))  # merged and removed, job files too
 
 
@@ -991,7 +1010,7 @@ def test_a_job_says_what_it_does_and_sums_up_at_the_end(job, capsys):
     records = read_jsonl(output)[1]
     tokens = sum(len(s["token_ids"]) for r in records for s in r["samples"])
     mean_best = sum(r["best"]["score"] for r in records) / 3
-    assert "3 written by this run" in err and f"{tokens} new tokens" in err
+    assert "3 records written by this run" in err and f"{tokens} new tokens" in err
     assert f"mean best reward {mean_best:.4f}" in err
     split = re.search(
         r"time +read .* load .* check .*\n +compile .* prefill .* decode .* reward .* write .* other", err

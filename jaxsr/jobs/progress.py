@@ -57,7 +57,7 @@ class Progress:
         self._bar: tqdm | None = None
         self._calls_began = 0.0
         self._weights: dict[int, int] = {}
-        self._done_weight = self._left_weight = 0
+        self._done_weight = self._left_weight = self._before = self._prompt_tokens = 0
 
     def status(self, message: str) -> None:
         if self.enabled:
@@ -71,14 +71,16 @@ class Progress:
         yield
         self.phases[name] = self.phases.get(name, 0.0) + time.time() - start
 
-    def start(self, total: int, pending: dict[int, int]) -> None:
-        """The bar over `total` prompts, of which `pending` (index → weight: the prompt's tokens and its
-        new-token budget) are still to do."""
-        self._weights, self._left_weight = pending, sum(pending.values())
+    def start(self, pending: dict[int, int], max_new_tokens: int, done: int = 0) -> None:
+        """The bar over `done` prompts already answered and the `pending` ones (index → token count);
+        a prompt's weight in the ETA is its tokens and the new-token budget."""
+        self._weights = {i: length + max_new_tokens for i, length in pending.items()}
+        self._left_weight, self._before = sum(self._weights.values()), done
+        self._prompt_tokens = sum(pending.values())
         self._calls_began = time.time()
         self._bar = tqdm(
-            total=total,
-            initial=total - len(pending),
+            total=done + len(pending),
+            initial=done,
             disable=not self.enabled,
             unit="prompt",
             file=self.file,
@@ -107,19 +109,19 @@ class Progress:
         left = running / max(self._done_weight, 1) * self._left_weight
         return f"ETA {tqdm.format_interval(left)}, compiled {compiled:.0f} s"
 
-    def finish(self, output: str, total: int) -> None:
+    def finish(self, output: str) -> None:
         """Close the bar and print the summary."""
         if self._bar is not None:
             self._bar.close()
-        tqdm.write(self.summary(output, total), file=self.file)
+        tqdm.write(self.summary(output), file=self.file)
 
-    def summary(self, output: str, total: int) -> str:
+    def summary(self, output: str) -> str:
         """One screen: prompts, tokens/s, mean best reward, padding, and the time split."""
         t, now = self.totals, time.time()
         calls = now - self._calls_began if self._bar is not None else 0.0
         lines = [
-            f"jaxsr: {total} prompts in {output}: {t.records} written by this run in "
-            f"{tqdm.format_interval(now - self.began)}, {total - t.records} there before"
+            f"jaxsr: {output}: {t.records} records written by this run ({self._prompt_tokens} prompt "
+            f"tokens) in {tqdm.format_interval(now - self.began)}; {self._before} were there before"
         ]
         if t.records:
             running = calls - compiling(self._calls_began, now) - self.write_s

@@ -9,9 +9,10 @@ a kill) is cut off. An output file that belongs to a different job is refused ra
 written before job files existed (the job on its first line) resumes too, and is rewritten in this form.
 
 Several processes (hosts of a TPU pod or GPU VMs joined by `jax.distributed`) split a job: each decodes
-a contiguous block of the prompts on its own devices into its own part file next to the output, and
-when all are done process 0 merges the parts into the output (in prompt order) and removes them. The
-output's directory must be one that every host sees.
+its share of the pending prompts (dealt out by token count, so the shares take nearly the same time:
+`share_of`) on its own devices into its own part file next to the output, and when all are done
+process 0 merges the parts into the output (in prompt order) and removes them. The output's directory
+must be one that every host sees.
 
 One job per output: a running job holds an exclusive lock on each file it writes (`x.jsonl.lock` beside
 it, taken before any model is loaded; see `jaxsr.locks`); a second job on the same output is refused at
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import heapq
 import itertools
 import json
 import os
@@ -336,10 +338,11 @@ def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress
         work = Work(prompts, lengths, solver.solve, solver.prompts_per_call, config.max_new_tokens)
         if processes == 1:
             _merge_parts(output, config)  # parts left by a multi-process run
-            _solve_into(output, range(len(prompts)), work, report)
+            pending = [i for i in range(len(prompts)) if i not in output.done]
+            _solve_into(output, pending, work, report, len(prompts) - len(pending))
         else:
             _run_part(output, config, work, report)
-        report.finish(str(output.path), len(prompts))
+        report.finish(str(output.path))
         return output.path
 
 
@@ -354,14 +357,23 @@ def _models(config: JobConfig) -> str:
 
 
 def _run_part(output: JsonlOutput, config: JobConfig, work: Work, report: Progress) -> None:
-    """This process's block of a multi-process job into its part file; process 0 then merges."""
+    """This process's share of a multi-process job into its part file; process 0 then merges."""
     prompts, process, processes = work.prompts, jax.process_index(), jax.process_count()
-    block = range(process * len(prompts) // processes, (process + 1) * len(prompts) // processes)
     part = JsonlOutput(part_path(output.path, process, processes), config)
+    done = set(output.done)
     for other in _part_files(output):  # records of earlier runs, whatever their process count
-        part.done |= JsonlOutput(other, config, read_only=True).done
-    part.done |= output.done
-    _solve_into(part, block, work, report)
+        done |= JsonlOutput(other, config, read_only=True).done
+    mask = np.isin(np.arange(len(prompts)), list(done))
+    # process 0's view of what is done (a shared filesystem may show the others an older one)
+    mask = np.asarray(multihost_utils.broadcast_one_to_all(mask))
+    pending = [i for i in range(len(prompts)) if not mask[i]]
+    weights = [length + work.max_new_tokens for length in work.lengths]
+    share = share_of(pending, weights, process, processes)
+    tokens = sum(work.lengths[i] for i in share)
+    report.status(
+        f"process {process} of {processes}: {len(share)} of {len(pending)} pending prompts ({tokens} tokens)"
+    )
+    _solve_into(part, share, work, report)
     multihost_utils.sync_global_devices(f"jaxsr job {output.fingerprint} decoded")
     missing = _merge_parts(output, config, len(prompts)) if process == 0 else 0
     # every process learns whether the merge found all records (and none waits on a failed process 0)
@@ -371,6 +383,20 @@ def _run_part(output: JsonlOutput, config: JobConfig, work: Work, report: Progre
             f"output: {missing} of {len(prompts)} records are in no part file visible from process 0; "
             f"every host must write {output.path.parent} on a filesystem they share (parts are kept)"
         )
+
+
+def share_of(pending: list[int], weights: list[int], process: int, processes: int) -> list[int]:
+    """Process `process`'s share of the pending prompts, balanced by weight (a prompt's tokens and its
+    new-token budget): heaviest first, each to the process with the least weight so far (ties: fewer
+    prompts, then the lower process), so no process waits on one that got the long prompts."""
+    loads = [(0, 0, p) for p in range(processes)]  # (weight, prompts, process): a heap
+    mine = []
+    for i in sorted(pending, key=lambda i: (-weights[i], i)):
+        weight, count, owner = heapq.heappop(loads)
+        heapq.heappush(loads, (weight + weights[i], count + 1, owner))
+        if owner == process:
+            mine.append(i)
+    return mine
 
 
 def _part_files(output: JsonlOutput) -> list[Path]:
@@ -409,14 +435,13 @@ class Work:
     max_new_tokens: int
 
 
-def _solve_into(output: JsonlOutput, indices: range, work: Work, report: Progress) -> None:
-    """Solve the pending prompts of `indices` into `output`, by length: a call takes up to
-    `prompts_per_call` prompts of one length bucket, so its batches pad little (each prompt keeps its
-    index, and so its random streams and its record's place). Each record is written as soon as its
-    prompt is done (a search's as it ends; a batch's prompts end together) and carries its `index`."""
+def _solve_into(output: JsonlOutput, pending: list[int], work: Work, report: Progress, done: int = 0) -> None:
+    """Solve the `pending` prompts into `output`, by length: a call takes up to `prompts_per_call`
+    prompts of one length bucket, so its batches pad little (each prompt keeps its index, and so its
+    random streams and its record's place). Each record is written as soon as its prompt is done (a
+    search's as it ends; a batch's prompts end together) and carries its `index`."""
     lengths = work.lengths
-    pending = [i for i in indices if i not in output.done]
-    pending.sort(key=lambda i: (bucket(lengths[i]), lengths[i]))
+    pending = sorted(pending, key=lambda i: (bucket(lengths[i]), lengths[i]))
     calls = [
         chunk
         for _, same_bucket in itertools.groupby(pending, key=lambda i: bucket(lengths[i]))
@@ -428,6 +453,6 @@ def _solve_into(output: JsonlOutput, indices: range, work: Work, report: Progres
         output.write(index, record)
         report.wrote(index, record, time.perf_counter() - start)
 
-    report.start(len(indices), {i: lengths[i] + work.max_new_tokens for i in pending})
+    report.start({i: lengths[i] for i in pending}, work.max_new_tokens, done)
     for chunk in calls:
         work.solve([work.prompts[i] for i in chunk], chunk, write)
