@@ -137,11 +137,16 @@ def mesh_of(*models: Any) -> Mesh | None:
     return meshes.pop() if meshes else None
 
 
+def data_shards(mesh: Mesh | None) -> int:
+    """How many ways a batch's rows are split (the mesh's `data` axis; 1 without a mesh)."""
+    return 1 if mesh is None else mesh.shape.get("data", 1)
+
+
 def padded_rows(rows: int, mesh: Mesh | None, groups: int = 1) -> int:
     """`rows` per group rounded up so that `groups` groups of them divide over the `data` shards: a
     decode batch padded with dead rows to this size splits over the shards instead of being replicated
     on each (results are unchanged)."""
-    shards = 1 if mesh is None else mesh.shape.get("data", 1)
+    shards = data_shards(mesh)
     step = shards // math.gcd(shards, groups)
     return -(-rows // step) * step
 

@@ -218,15 +218,44 @@ def test_a_derived_memory_budget_is_the_fullest_mesh_device(monkeypatch):
 
 def test_a_derived_search_budget_is_shared_by_the_prompts_in_flight(lm, monkeypatch):
     """Derived from the device, a prompt's budget is the fullest device's free slots split among the
-    prompts in flight, with `n` given or not (with `n`, each prompt took the whole device before)."""
+    prompts in flight (with `n` given or not), then counted over the `data` shards (`mesh_budget`)."""
     from jaxsr.search import memory
 
     sampler = as_sampler(shard_model(lm, make_mesh(data=4, model=2)), SAMPLING)
     monkeypatch.setattr(memory, "device_free_bytes", lambda devices: 10**6)
     one_device = int(10**6 * memory.DEVICE_HEADROOM) // sampler.slot_bytes
-    assert memory.prompt_budget(sampler, None, 16, 32, None, copies=1) == one_device
-    assert memory.prompt_budget(sampler, None, 16, 32, 8, copies=2) == one_device // 2
+    assert memory.prompt_budget(sampler, None, 16, 32, None, copies=1) == 16 + 4 * (one_device - 16 - 32)
+    half = one_device // 2
+    assert memory.prompt_budget(sampler, None, 16, 32, 8, copies=2) == 16 + 4 * (half - 16 - 32)
     assert memory.prompt_budget(sampler, 4096, 16, 32, None, copies=2) == 4096  # as given
+    assert memory.mesh_budget(85, 16, 64, shards=8) == 85  # one device's share when it is more
+
+
+def test_a_derived_search_budget_counts_the_data_shards_and_fits_on_each_device(lm, monkeypatch):
+    """80 free slots a device: alone SR starts 4 rows; on 8 `data` shards 24 (3 a device), and no
+    round puts more than 80 slots on a device (prompt cache on each, rows split, mesh padding
+    counted). The search is the one a single device runs with the same budget."""
+    from jaxsr.rewards import SelfLikelihood
+    from jaxsr.search import memory
+
+    sharded = shard_model(lm, make_mesh(data=8))
+    slot_bytes = lm.kv_slot_bytes
+    monkeypatch.setattr(
+        memory, "device_free_bytes", lambda devices: int(80.5 * slot_bytes / memory.DEVICE_HEADROOM)
+    )
+    kwargs = dict(rejection_rate=0.5, max_new_tokens=16, sampling=SAMPLING, seed=2, min_first_segment=16)
+    prompt = [[3, 1, 4, 1, 5, 9]]
+    alone = jaxsr.speculative_rejection(lm, SelfLikelihood(), prompt, memory_budget=80, **kwargs)[0]
+    assert alone.stats["initial_batch"] == 4
+    wide = jaxsr.speculative_rejection(sharded, SelfLikelihood(), prompt, **kwargs)[0]
+    assert wide.stats["memory_budget_slots"] == 16 + 8 * (80 - 16 - 16)
+    assert wide.stats["initial_batch"] == 24
+    for round_ in wide.stats["round_log"]:
+        rows, slots = round_["batch_size"], round_["kv_bytes"] // slot_bytes - 16
+        assert rows % 8 == 0 and 16 + slots // 8 <= 80, round_  # one device: its prompt cache and rows
+    same = jaxsr.speculative_rejection(lm, SelfLikelihood(), prompt, memory_budget=400, **kwargs)[0]
+    assert [s.token_ids for s in wide.samples] == [s.token_ids for s in same.samples]
+    assert wide.best.index == same.best.index
 
 
 def test_best_of_n_decodes_as_many_rows_as_the_data_shards_hold(lm):

@@ -31,7 +31,7 @@ from jaxsr.decoding.steps import Method, PlainSampling
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Sample
-from jaxsr.sharding import mesh_of, on_mesh, padded_rows
+from jaxsr.sharding import data_shards, mesh_of, on_mesh, padded_rows
 from jaxsr.timing import Stopwatch
 
 DEFAULT_MAX_ROWS = 64
@@ -166,9 +166,7 @@ def default_rows(sampler: Sampler) -> int:
     """Rows one call decodes when not told (`max_rows=None`): DEFAULT_MAX_ROWS a `data` shard, times
     the shards, rounded down to a power of two. (Not yet from free memory: a batch's prompt caches and
     its prefill's activations take memory that no plan counts yet.)"""
-    mesh = sampler.mesh
-    shards = 1 if mesh is None else mesh.shape.get("data", 1)
-    return 1 << ((DEFAULT_MAX_ROWS * shards).bit_length() - 1)
+    return 1 << ((DEFAULT_MAX_ROWS * data_shards(sampler.mesh)).bit_length() - 1)
 
 
 class Prefill(NamedTuple):

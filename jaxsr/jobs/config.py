@@ -94,7 +94,7 @@ class JobConfig:
     """KV budget of each prompt's search (token slots or bytes); None derives it from the device."""
     concurrent_prompts: int = 4
     """speculative_rejection: prompts searched at once, each in its own budget, their rows decoded
-    together (with memory_budget=None the device's free memory is split among them)."""
+    together (with memory_budget=None the devices' free memory is split among them)."""
     min_first_segment: int = 16
     """speculative_rejection: tokens every first row gets before the first decision (a smaller one starts
     more rows in the same memory)."""

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from jaxsr.checks import available_bytes, device_free_bytes, format_bytes, is_int
 from jaxsr.decoding.driver import Sampler
 from jaxsr.ladder import bucket
+from jaxsr.sharding import data_shards
 
 _UNITS = {
     "": 1,
@@ -52,8 +53,8 @@ def budget_slots(
 ) -> int:
     """The budget as token slots of `slot_bytes` each (one position in every cache of the decoder).
     `None` derives it from free device memory (parameters are already resident, so they are excluded):
-    the device's, or on a `mesh` the fullest device's — not yet times the `data` shards: the budget
-    does not count a batch's mesh padding rows nor the prompt cache each shard holds. Where the device
+    the device's, or on a `mesh` the fullest device's (one device's: `mesh_budget` counts the shards
+    for a search). Where the device
     cannot tell (CPU), `fallback_slots` is used. A budget held `copies` times at once (prompts searched
     together) that the devices cannot hold is refused before anything is allocated."""
     devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
@@ -93,16 +94,25 @@ def prompt_budget(
     sampler: Sampler, memory_budget: Any, prompt_slots: int, max_new_tokens: int, n: int | None, copies: int
 ) -> int:
     """One prompt's search budget in slots of all of the sampler's caches, `copies` prompts in flight:
-    `memory_budget` as given; or the fullest device's free memory shared by the prompts in flight (not
-    yet times the `data` shards: a rung with fewer rows than shards, or mesh padding rows, would put more
-    than a device's share on one device); or (on CPU) n full rows."""
+    `memory_budget` as given; or (on CPU) n full rows; or derived from the fullest device's free
+    memory, shared by the prompts in flight and counting every `data` shard (`mesh_budget`)."""
     mesh = sampler.mesh
     fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
     budget = budget_slots(memory_budget, sampler.slot_bytes, fallback, mesh, copies=copies)
     devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
     if memory_budget is None and device_free_bytes(devices) is not None:
-        budget //= copies  # derived from the device, n given or not: shared by the prompts in flight
+        row = bucket(max_new_tokens) + sampler.headroom
+        budget = mesh_budget(budget // copies, prompt_slots, row, data_shards(mesh))
     return budget
+
+
+def mesh_budget(per_device: int, prompt_slots: int, row: int, shards: int) -> int:
+    """A search budget over `shards` data shards that puts at most `per_device` slots on any device.
+    The prompt's cache is on every shard, and a rung of R rows puts ceil(R/shards) on each (mesh
+    padding), each of at most `row` slots: so per device ≤ prompt + (budget − prompt)/shards + row,
+    which stays within `per_device` for budget = prompt + shards·(per_device − prompt − row). One
+    device's own share is always safe (a rung's rows on one device never exceed its budget)."""
+    return max(per_device, prompt_slots + shards * (per_device - prompt_slots - row))
 
 
 def batch_ladder(first: int, rejection_rate: float) -> list[int]:

@@ -193,9 +193,10 @@ def speculative_rejection(
 
     `memory_budget` is each prompt's KV budget. `concurrent_prompts` prompts search at once, each within
     its own budget (memory in use: up to `concurrent_prompts` budgets; with `memory_budget=None` the
-    device's free memory is split among them): the rows of prompts whose rounds have the same shapes
-    decode together in one batch, and a finished prompt's memory goes to the next prompt. Each prompt's
-    result is the one it gets searched alone with the same budget (`jaxsr.search.scheduler`).
+    devices' free memory is split among them, every `data` shard counted: `memory.mesh_budget`): the
+    rows of prompts whose rounds have the same shapes decode together in one batch, and a finished
+    prompt's memory goes to the next prompt. Each prompt's result is the one it gets searched alone
+    with the same budget (`jaxsr.search.scheduler`).
 
     `min_prompt_bucket` pads every prompt to at least that many slots (a power of two), so prompts of
     different lengths share compiled programs (on accelerators, where compiles are costly); the padding
