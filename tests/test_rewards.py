@@ -184,6 +184,31 @@ def test_classifier_batch_equals_one_at_a_time(rm, smol_tokenizer):
     np.testing.assert_allclose(backwards[::-1], together, atol=BATCH_TOL, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["classifier", "similarity"])
+def test_several_prompts_are_scored_in_shared_batches(rm, encoder, kind, monkeypatch):
+    """`score_many`: three prompts' responses in one model batch (one call where one a prompt took
+    three), each prompt's scores those it gets alone; a reward without it is scored prompt by prompt."""
+    from jaxsr.rewards.base import score_each
+
+    reward = ClassifierReward(rm, batch_size=64) if kind == "classifier" else EmbeddingSimilarity(encoder)
+    model, method = (rm, "scores") if kind == "classifier" else (encoder, "embed")
+    prompts = [PROMPT, "Name a fruit.", "What is the capital of France?"]
+    batches = [candidates(p, RESPONSES[i : i + 3]) for i, p in enumerate(prompts)]
+    alone = [reward.score(c) for c in batches]
+    calls = []
+    original = getattr(type(model), method)
+    monkeypatch.setattr(
+        type(model), method, lambda self, *a, **k: (calls.append(1), original(self, *a, **k))[1]
+    )
+    together = score_each(reward, batches)
+    assert len(calls) == 1  # (the similarity keeps the prompts' embeddings from the calls above)
+    for got, want in zip(together, alone, strict=True):
+        np.testing.assert_allclose(got, want, atol=BATCH_TOL, rtol=0)
+    assert score_each(reward, []) == []
+    one_at_a_time = SelfLikelihood()
+    assert [len(x) for x in score_each(one_at_a_time, batches)] == [3, 3, 3]
+
+
 def test_classifier_counts_padded_work(rm, smol_tokenizer):
     reward = ClassifierReward(rm, batch_size=4)
     assert reward.token_forwards == 0

@@ -25,9 +25,10 @@ def as_reward(reward: Any) -> Reward:
             raise TypeError(f"reward: its `score` must be a method, got {type(reward.score).__name__}")
         if isinstance(reward.token_forwards, bool) or not isinstance(reward.token_forwards, int):
             raise TypeError(f"reward: its `token_forwards` must be an int, got {reward.token_forwards!r}")
-        scorer = getattr(reward, "token_scorer", None)
-        if scorer is not None and not callable(scorer):
-            raise TypeError(f"reward: its `token_scorer` must be a method, got {type(scorer).__name__}")
+        for optional in ("token_scorer", "score_many"):
+            method = getattr(reward, optional, None)
+            if method is not None and not callable(method):
+                raise TypeError(f"reward: its `{optional}` must be a method, got {type(method).__name__}")
         return reward
     raise TypeError(
         "reward: expected a jaxsr.RewardModel, a jaxsr.EncoderModel, or a reward object with "

@@ -37,3 +37,14 @@ class Reward(Protocol):
     def score(self, candidates: Candidates) -> np.ndarray:
         """[n] float scores, higher is better."""
         ...
+
+
+def score_each(reward: Reward, batches: list[Candidates]) -> list[np.ndarray]:
+    """Several prompts' candidates scored: in shared model batches where the reward has
+    `score_many(batches) -> [scores of each]` (jaxsr's model rewards do), else one prompt at a time."""
+    many = getattr(reward, "score_many", None)
+    if not batches:
+        return []
+    if many is not None:
+        return list(many(batches))
+    return [reward.score(c) if len(c) else np.zeros(0) for c in batches]

@@ -117,7 +117,11 @@ class ClassifierReward:
         return score
 
     def score(self, candidates: Candidates) -> np.ndarray:
-        encoded = [self.render(candidates.prompt_text, text) for text in candidates.texts]
+        return self.score_many([candidates])[0]
+
+    def score_many(self, batches: list[Candidates]) -> list[np.ndarray]:
+        """Several prompts' responses scored in shared batches, shortest first."""
+        encoded = [self.render(c.prompt_text, text) for c in batches for text in c.texts]
         scores = np.zeros(len(encoded), np.float64)
         for chunk in length_sorted_chunks([len(ids) for ids in encoded], self.batch_size):
             rows = padded_rows(fine_bucket(len(chunk)), self.model.mesh)  # splits over `data`
@@ -126,4 +130,4 @@ class ClassifierReward:
             mask[len(chunk) :, -1] = 1  # padding rows score one pad token instead of nothing
             self.token_forwards += rows * length
             scores[chunk] = np.asarray(self.model.scores(tokens, mask))[: len(chunk)]
-        return scores
+        return np.split(scores, np.cumsum([len(c) for c in batches])[:-1])

@@ -7,6 +7,9 @@ import numpy as np
 from jaxsr.models.encoder import EncoderModel
 from jaxsr.rewards.base import Candidates
 
+PROMPTS_KEPT = 1024
+"""Prompt embeddings kept for the prompts' later rounds (SR scores a prompt every round)."""
+
 
 class EmbeddingSimilarity:
     """Relevance of a response to its prompt under a sentence encoder (e.g. all-MiniLM-L6-v2)."""
@@ -28,8 +31,18 @@ class EmbeddingSimilarity:
         return embeddings
 
     def score(self, candidates: Candidates) -> np.ndarray:
-        if candidates.prompt_text not in self._prompt_cache:
-            self._prompt_cache[candidates.prompt_text] = self._embed([candidates.prompt_text])[0]
-        prompt = self._prompt_cache[candidates.prompt_text]
-        responses = self._embed([t if t.strip() else " " for t in candidates.texts])
-        return responses @ prompt
+        return self.score_many([candidates])[0]
+
+    def score_many(self, batches: list[Candidates]) -> list[np.ndarray]:
+        """Several prompts' responses embedded in shared batches (each prompt embedded once while
+        it stays among the last PROMPTS_KEPT)."""
+        new = list(dict.fromkeys(c.prompt_text for c in batches if c.prompt_text not in self._prompt_cache))
+        if new:
+            self._prompt_cache.update(zip(new, self._embed(new), strict=True))
+        prompts = [self._prompt_cache[c.prompt_text] for c in batches]
+        while len(self._prompt_cache) > PROMPTS_KEPT:  # oldest first: memory does not grow with a job
+            del self._prompt_cache[next(iter(self._prompt_cache))]
+        texts = [t if t.strip() else " " for c in batches for t in c.texts]
+        responses = self._embed(texts) if texts else np.zeros((0, 0), np.float32)
+        ends = np.cumsum([len(c) for c in batches])
+        return [part @ prompt for part, prompt in zip(np.split(responses, ends[:-1]), prompts, strict=True)]

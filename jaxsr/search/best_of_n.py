@@ -13,7 +13,14 @@ from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.model import Model
 from jaxsr.results import Result
 from jaxsr.rewards import as_reward
-from jaxsr.search.candidates import best, check_reward, score_ids, score_samples, token_scorer
+from jaxsr.search.candidates import (
+    best,
+    check_reward,
+    score_ids,
+    score_prompts,
+    score_samples,
+    token_scorer,
+)
 from jaxsr.search.memory import best_of_n_rows
 from jaxsr.timing import Stopwatch
 
@@ -55,22 +62,38 @@ def best_of_n(
     t0 = time.perf_counter()
     run = decode(sampler, request, num_samples=n, max_rows=max_rows)
     sample_s = time.perf_counter() - t0
+    watch, before = Stopwatch(), reward.token_forwards
+    scored = score_rows(lm, reward, list(zip(prompts, encoded, run.rows, strict=True)), max_new_tokens)
+    scoring_s, compiled = watch.split()
+    forwards, count = reward.token_forwards - before, len(encoded)
     results = []
-    for i, (prompt, ids, rows, st) in enumerate(zip(prompts, encoded, run.rows, run.stats, strict=True)):
-        watch = Stopwatch()
-        forwards_before = reward.token_forwards
-        samples = samples_of(lm, rows)
-        scorer = token_scorer(lm, reward, prompt, max_new_tokens)
-        on_device = (
-            None if scorer is None else score_ids(scorer, [s.token_ids for s in samples], max_new_tokens)
-        )
-        samples = score_samples(lm, reward, prompt, ids, samples, on_device)
-        st["token_forwards"]["reward"] = reward.token_forwards - forwards_before
+    for i, (prompt, samples, st) in enumerate(zip(prompts, scored, run.stats, strict=True)):
+        # the prompts were scored together: each takes an even share of the scoring
+        st["token_forwards"]["reward"] = forwards * (i + 1) // count - forwards * i // count
         st["kv_bytes"] = st["kv_slots"] * sampler.slot_bytes
-        st["scoring_s"], compiled = watch.split()
-        st["compile_s"] += compiled
-        st["wall_s"] = sample_s / len(encoded) + st["scoring_s"] + compiled
+        st["scoring_s"] = scoring_s / count
+        st["compile_s"] += compiled / count
+        st["wall_s"] = (sample_s + scoring_s + compiled) / count
         results.append(Result(prompt=prompt, samples=samples, best=best(samples), stats=st))
         if on_result is not None:
             on_result(i, results[-1])
     return results
+
+
+def score_rows(lm: Model, reward: Any, items: list[tuple[Any, list[int], Any]], max_new_tokens: int) -> list:
+    """Each (prompt, ids, decoded rows)'s samples, scored: on device where the reward reads the
+    generator's ids (per prompt: its template prefix), the others together in shared batches."""
+    samples = [samples_of(lm, rows) for _, _, rows in items]
+    scored: list = [None] * len(items)
+    by_text = []
+    for i, ((prompt, ids, _), mine) in enumerate(zip(items, samples, strict=True)):
+        scorer = token_scorer(lm, reward, prompt, max_new_tokens)
+        if scorer is None:
+            by_text.append(i)
+            continue
+        on_device = score_ids(scorer, [s.token_ids for s in mine], max_new_tokens)
+        scored[i] = score_samples(lm, reward, prompt, ids, mine, on_device)
+    texts = score_prompts(lm, reward, [(*items[i][:2], samples[i]) for i in by_text])
+    for i, mine in zip(by_text, texts, strict=True):
+        scored[i] = mine
+    return scored

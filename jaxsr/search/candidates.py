@@ -12,7 +12,7 @@ from jaxsr import text
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Sample
-from jaxsr.rewards.base import Candidates, Reward
+from jaxsr.rewards.base import Candidates, Reward, score_each
 from jaxsr.rewards.classifier import TokenScorer
 
 
@@ -76,7 +76,20 @@ def score_samples(
     """The (partial) responses with their reward: `scores` where they were scored on device, else
     the reward's score of each."""
     if scores is None:
-        candidates = Candidates(
+        return score_prompts(model, reward, [(prompt, prompt_ids, samples)])[0]
+    scores = check_scores(reward, scores, len(samples))
+    return [dataclasses.replace(s, score=float(x)) for s, x in zip(samples, scores, strict=True)]
+
+
+Scored = tuple[str | list[int], list[int], list[Sample]]
+"""(prompt, its ids as the generator saw it, samples)."""
+
+
+def score_prompts(model: Model, reward: Reward, items: list[Scored]) -> list[list[Sample]]:
+    """Several prompts' samples with their reward, scored together (in shared model batches where
+    the reward can: `rewards.base.score_each`)."""
+    batches = [
+        Candidates(
             prompt_text=prompt_text(model, prompt),
             prompt_ids=prompt_ids,
             token_ids=[s.token_ids for s in samples],
@@ -84,12 +97,15 @@ def score_samples(
             logprob_sum=np.array([s.logprob for s in samples], np.float64),
             num_tokens=np.array([len(s.token_ids) + s.finished for s in samples]),  # stop token included
         )
-        try:
-            scores = reward.score(candidates) if samples else np.zeros(0)
-        except Exception as e:  # whatever a user's reward raises: the search names the reward
-            raise ValueError(f"reward: {reward.name} raised {type(e).__name__}: {e}") from e
-    scores = check_scores(reward, scores, len(samples))
-    return [dataclasses.replace(s, score=float(x)) for s, x in zip(samples, scores, strict=True)]
+        for prompt, prompt_ids, samples in items
+    ]
+    try:
+        scores = score_each(reward, batches)
+    except Exception as e:  # whatever a user's reward raises: the search names the reward
+        raise ValueError(f"reward: {reward.name} raised {type(e).__name__}: {e}") from e
+    if len(scores) != len(items):
+        raise ValueError(f"reward: {reward.name} returned scores of {len(scores)} prompts for {len(items)}")
+    return [score_samples(model, reward, *item, scores=x) for item, x in zip(items, scores, strict=True)]
 
 
 def check_scores(reward: Reward, scores: Any, count: int) -> np.ndarray:
