@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -283,8 +282,8 @@ def decode(sampler: Sampler, request: Request, *, num_samples: int, max_rows: in
     Per prompt, stats: the work of a batch shared evenly among its real prompts (`prefill_s`,
     `compile_s`, `decode_s`, `token_forwards` by role, `prefill_positions`: prompt positions run,
     padding included), `prompt_tokens` (its own), `batch_rows` and `kv_slots` (prompt + row cache
-    slots of one model) of the batch it was decoded in. Compilation is timed apart so that `decode_s`
-    measures decoding alone."""
+    slots of one model) of the batch it was decoded in. Compiling is timed apart (`jaxsr.timing`) so
+    that `prefill_s` and `decode_s` measure running alone."""
     parts: list[list[DecodeState]] = [[] for _ in request.encoded]
     run = Run([], [{} for _ in request.encoded], 0.0)
     with sampler.on_mesh():
@@ -310,14 +309,13 @@ def decode_batch(
     forwards = np.full(len(sampler.models), prefill.positions)
     decode_s = 0.0
     for layout in layouts:
+        watch = Stopwatch()  # the rows' first tokens and the loop: compiled on a shape's first use
         state = sampler.start(prefill, layout, request)
-        t1 = time.perf_counter()
         compiled = sampler.compiled_loop(state, prefill.caches)
-        t2 = time.perf_counter()
         state = compiled(sampler.params, state, prefill.caches, sampler.contrast, pause_at=loop.NO_PAUSE)
         host = to_host(state)
-        compile_s += t2 - t1
-        decode_s += time.perf_counter() - t2
+        running, compiling = watch.split()
+        decode_s, compile_s = decode_s + running, compile_s + compiling
         forwards += host.forwards.astype(np.int64) * P * R
         for p, i in enumerate(indices):
             group = np.arange(p * R, (p + 1) * R)
