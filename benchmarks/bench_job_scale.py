@@ -1,17 +1,20 @@
 """A dataset job at scale, an older revision and the working tree side by side in one run.
 
-1. The 805-prompt generate job: `jaxsr run` with `method: generate` over every AlpacaFarm evaluation
-   prompt, the shipped SmolLM2 draft, 4 new tokens, one sample (prefill is most of the work). Each
-   revision runs it `--passes` times as a fresh job, alternating (A B, then B A); per revision the
-   fastest pass counts. Reported: wall time, seconds per prompt, peak RSS of the process, the prefill
-   padding ratio (prompt positions run ÷ real prompt tokens; the older revision's from its batching
-   rule: file order, 64 prompts a batch, each padded to the longest's power-of-two bucket) and whether
-   both wrote the same token ids for every prompt.
+1. Jobs over every AlpacaFarm evaluation prompt (805) with the shipped SmolLM2 draft: `generate`, 4
+   new tokens, one sample (prefill is most of the work); `best_of_8`, 8 samples of up to 128 tokens
+   (EOS on, so lengths vary) scored by the MiniLM relevance reward. Each revision runs each job
+   `--passes` (`--best-of-8-passes`) times as a fresh `jaxsr run`, alternating (A B, then B A); per
+   revision the fastest pass counts. Reported: wall time, seconds per prompt, peak RSS of the process,
+   the prefill padding ratio (prompt positions run ÷ real prompt tokens; the older revision's from its
+   batching rule: file order, 64 rows a batch, each padded to the longest's power-of-two bucket),
+   whether both wrote the same token ids for every prompt (and chose the same best sample), and the
+   mean best reward.
 2. Resuming a finished output: `--resume-records` synthetic records of ~6 KB (a Best-of-16 record at a
    few hundred tokens), each revision's `JsonlOutput` reading it in a fresh process: seconds and the
    RSS it adds over the process after its imports.
 
-    python -m benchmarks.bench_job_scale --old 2c94c50 [--passes 2] [--resume-records 100000]
+    python -m benchmarks.bench_job_scale --old 2c94c50 [--jobs generate best_of_8] [--passes 2]
+        [--best-of-8-passes 1] [--resume-records 100000]
 """
 
 from __future__ import annotations
@@ -30,13 +33,26 @@ import yaml
 from benchmarks.common import table, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB = {
-    "method": "generate",
-    "model": "smollm2-draft",
-    "data": "alpaca_farm_eval",
-    "max_new_tokens": 4,
-    "num_samples": 1,
-    "seed": 0,
+JOBS = {
+    "generate": {
+        "method": "generate",
+        "model": "smollm2-draft",
+        "data": "alpaca_farm_eval",
+        "max_new_tokens": 4,
+        "num_samples": 1,
+        "seed": 0,
+    },
+    "best_of_8": {
+        "method": "best_of_n",
+        "model": "smollm2-draft",
+        "reward": "minilm",
+        "data": "alpaca_farm_eval",
+        "n": 8,
+        "max_new_tokens": 128,
+        "temperature": 1.0,
+        "top_k": 50,
+        "seed": 0,
+    },
 }
 RESUME = """
 import resource, sys, time
@@ -75,8 +91,8 @@ def padding(output: Path) -> float | None:
     return sum(s["prefill_positions"] for s in stats) / sum(s["prompt_tokens"] for s in stats)
 
 
-def file_order_padding() -> float:
-    """The older revision's prefill padding: 64 prompts a batch in file order, each batch padded to a
+def file_order_padding(rows_per_prompt: int) -> float:
+    """The older revision's prefill padding: 64 rows a batch in file order, each batch padded to a
     power of two of prompts and to the longest prompt's power-of-two bucket."""
     from jaxsr.data import read_prompts
     from jaxsr.decoding.inputs import encode_prompts
@@ -87,41 +103,54 @@ def file_order_padding() -> float:
         len(ids)
         for ids in encode_prompts(resolve_model("smollm2-draft", "float32"), read_prompts("alpaca_farm_eval"))
     ]
-    positions = 0
-    for start in range(0, len(lengths), 64):
-        batch = lengths[start : start + 64]
-        positions += min(bucket(len(batch), 1), 64) * bucket(max(batch))
+    per_batch, positions = 64 // rows_per_prompt, 0
+    for start in range(0, len(lengths), per_batch):
+        batch = lengths[start : start + per_batch]
+        positions += min(bucket(len(batch), 1), per_batch) * bucket(max(batch))
     return positions / sum(lengths)
 
 
-def job_side_by_side(trees: dict[str, Path], scratch: Path, passes: int) -> list[dict]:
+def best_of(output: Path) -> tuple[dict[int, int | None], float | None]:
+    """Each prompt's chosen sample index, and the mean best reward (None without rewards)."""
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    chosen = {r["index"]: (r["best"] or {}).get("index") for r in records}
+    scores = [r["best"]["score"] for r in records if r.get("best") and r["best"].get("score") is not None]
+    return chosen, (sum(scores) / len(scores) if scores else None)
+
+
+def job_side_by_side(trees: dict[str, Path], scratch: Path, passes: int, name: str) -> list[dict]:
+    job = JOBS[name]
     walls = {side: [] for side in trees}
     rss, outputs = {}, {}
     for p in range(passes):
         for side in list(trees) if p % 2 == 0 else list(trees)[::-1]:
-            output = scratch / f"{side}-{p}.jsonl"
-            config = scratch / f"{side}-{p}.yaml"
-            config.write_text(yaml.safe_dump({**JOB, "output": str(output)}))
+            output = scratch / f"{name}-{side}-{p}.jsonl"
+            config = scratch / f"{name}-{side}-{p}.yaml"
+            config.write_text(yaml.safe_dump({**job, "output": str(output)}))
             command = [sys.executable, "-m", "jaxsr.cli", "run", str(config), "--no-progress"]
             seconds, peak, _ = run_child(command, trees[side])
             walls[side].append(seconds)
             rss[side] = max(rss.get(side, 0), peak)
             outputs[side] = output
-            print(f"pass {p + 1} {side}: {seconds:.1f} s, peak RSS {peak / 2**30:.2f} GiB", flush=True)
+            print(f"{name} pass {p + 1} {side}: {seconds:.1f} s, peak RSS {peak / 2**30:.2f} GiB", flush=True)
     same = tokens_by_index(outputs["old"]) == tokens_by_index(outputs["new"])
-    old_padding = padding(outputs["old"]) or file_order_padding()
+    chosen = {side: best_of(outputs[side]) for side in trees}
+    samples = job.get("n", job.get("num_samples", 1))
+    old_padding = padding(outputs["old"]) or file_order_padding(samples)
     rows = []
     for side in trees:
         wall = min(walls[side])
         rows.append(
             {
-                "job": f"generate × 805, {side}",
+                "job": f"{name} × 805, {side}",
                 "wall_s": wall,
                 "s_per_prompt": wall / 805,
                 "wall_vs_old": wall / min(walls["old"]),
                 "padding": old_padding if side == "old" else padding(outputs[side]),
                 "peak_rss_gib": rss[side] / 2**30,
                 "same_tokens": same,
+                "same_choices": chosen[side][0] == chosen["old"][0],
+                "mean_best_reward": chosen[side][1],
                 "walls": walls[side],
             }
         )
@@ -159,7 +188,11 @@ def resume_side_by_side(trees: dict[str, Path], scratch: Path, records: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--old", required=True, help="the revision to compare the working tree against")
-    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS))
+    parser.add_argument("--passes", type=int, default=2, help="of the generate job")
+    parser.add_argument(
+        "--best-of-8-passes", type=int, default=1, help="of the Best-of-8 job (~10 min a run)"
+    )
     parser.add_argument("--resume-records", type=int, default=100_000)
     parser.add_argument("--name", default="job_scale")
     args = parser.parse_args()
@@ -177,13 +210,26 @@ def main() -> None:
         )
         try:
             trees = {"old": old_tree, "new": ROOT}
-            jobs = job_side_by_side(trees, Path(scratch), args.passes)
+            jobs = [
+                row for name in args.jobs for row in job_side_by_side(trees, Path(scratch), args.passes, name)
+            ]
             resumes = resume_side_by_side(trees, Path(scratch), args.resume_records)
         finally:
             subprocess.run([*git, "worktree", "remove", "--force", str(old_tree)], check=False)
     print(
         table(
-            jobs, ["job", "wall_s", "s_per_prompt", "wall_vs_old", "padding", "peak_rss_gib", "same_tokens"]
+            jobs,
+            [
+                "job",
+                "wall_s",
+                "s_per_prompt",
+                "wall_vs_old",
+                "padding",
+                "peak_rss_gib",
+                "same_tokens",
+                "same_choices",
+                "mean_best_reward",
+            ],
         )
     )
     print(table(resumes, ["job", "wall_s", "added_rss_mib"]))
