@@ -313,7 +313,7 @@ def test_a_reward_that_returns_no_real_numbers_is_refused_before_decoding(lm, no
 def test_a_reward_without_a_callable_score_is_refused(lm):
     broken = _Returns(None)
     broken.score = 5
-    with pytest.raises(TypeError, match="reward: its `score` must be a method"):
+    with pytest.raises(TypeError, match="reward: _Returns's `score` must be a method"):
         jaxsr.best_of_n(lm, broken, [[1, 2]], n=2, max_new_tokens=2)
 
 

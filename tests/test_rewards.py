@@ -18,7 +18,14 @@ from jaxsr.decoding.driver import Sampler
 from jaxsr.loading.embedded import smollm2_draft_path
 from jaxsr.loading.encoder import load_encoder, minilm_path
 from jaxsr.loading.gguf import smollm2_path
-from jaxsr.rewards import Candidates, ClassifierReward, EmbeddingSimilarity, SelfLikelihood, as_reward
+from jaxsr.rewards import (
+    Candidates,
+    ClassifierReward,
+    EmbeddingSimilarity,
+    FunctionReward,
+    SelfLikelihood,
+    as_reward,
+)
 
 TOL = 1e-4
 """Rewards (O(1–10)) of jaxsr against torch, or of the on-device path against a direct call: two
@@ -264,9 +271,37 @@ def test_as_reward(rm, encoder, generator):
     assert isinstance(similarity, EmbeddingSimilarity) and similarity.encoder is encoder
     self_likelihood = SelfLikelihood()
     assert as_reward(self_likelihood) is self_likelihood
-    for bad in (object(), "self_likelihood", None, generator, lambda c: np.zeros(len(c))):
+    for bad in (object(), "self_likelihood", None, generator, SelfLikelihood):
         with pytest.raises(TypeError, match="reward"):
             as_reward(bad)
+
+
+def test_a_plain_function_is_a_reward_and_a_reward_class_missing_an_attribute_is_named(generator):
+    """`fn(prompt, response) -> float` scores each response; a class with `score` but without `name`
+    or `token_forwards` (or with one of the wrong kind) is refused naming that attribute."""
+
+    def shortest(prompt: str, response: str) -> float:
+        return -len(response)
+
+    reward = as_reward(shortest)
+    assert isinstance(reward, FunctionReward) and reward.name.endswith("shortest")
+    scores = reward.score(candidates("Say hi.", ["hello there", "hi", ""]))
+    np.testing.assert_array_equal(scores, [-11.0, -2.0, 0.0])
+    result = jaxsr.best_of_n(generator, shortest, [[1, 2, 3]], n=4, max_new_tokens=6, seed=1)[0]
+    assert result.best.text == min((s.text for s in result.samples), key=len)
+
+    class Unnamed:
+        token_forwards = 0
+
+        def score(self, candidates):
+            return np.zeros(len(candidates))
+
+    with pytest.raises(TypeError, match=r"reward: Unnamed has `score` but no `name` \(of type str\)"):
+        as_reward(Unnamed())
+    counted = Unnamed()
+    counted.name, counted.token_forwards = "mine", 0.5
+    with pytest.raises(TypeError, match=r"reward: Unnamed's `token_forwards` must be of type int, got 0.5"):
+        as_reward(counted)
 
 
 # -- EmbeddingSimilarity ---------------------------------------------------------------------------

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, runtime_checkable
 
+import jax
 import numpy as np
+
+from jaxsr.checks import check_positive_int
 
 
 @dataclasses.dataclass
@@ -37,6 +40,19 @@ class Reward(Protocol):
     def score(self, candidates: Candidates) -> np.ndarray:
         """[n] float scores, higher is better."""
         ...
+
+
+CPU_BATCH = 8
+"""Responses a reward model scores a call on CPU, where larger batches run slower (MiniLM on 2 cores:
+64 responses in one call took 2.3x the time of 8 calls of 8)."""
+
+
+def reward_batch(batch_size: int | None, accelerated: int) -> int:
+    """A reward model's responses per call: `batch_size` as given, else `accelerated` on a GPU/TPU and
+    CPU_BATCH on CPU."""
+    if batch_size is not None:
+        return check_positive_int("batch_size", batch_size)
+    return CPU_BATCH if jax.default_backend() == "cpu" else accelerated
 
 
 def score_each(reward: Reward, batches: list[Candidates]) -> list[np.ndarray]:

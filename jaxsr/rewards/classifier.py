@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxsr.ladder import bucket, fine_bucket, length_sorted_chunks
 from jaxsr.models.model import Model, RewardModel
-from jaxsr.rewards.base import Candidates
+from jaxsr.rewards.base import Candidates, reward_batch
 from jaxsr.sharding import padded_rows, place_rows
 from jaxsr.text import encode, has_chat_template, left_pad, render_chat, same_vocabulary
 
@@ -49,13 +49,13 @@ class ClassifierReward:
     the model shortest first, each call's rows and length padded to rungs of `fine_bucket`, so scoring
     pads little and compiles a bounded number of times."""
 
-    def __init__(self, model: RewardModel, batch_size: int = 32):
+    def __init__(self, model: RewardModel, batch_size: int | None = None):
         if not isinstance(model, RewardModel):
             raise TypeError(f"reward: expected a jaxsr.RewardModel, got {type(model).__name__}")
         if model.tokenizer is None:
             raise ValueError("reward: the reward model has no tokenizer to render prompts with")
         self.model = model
-        self.batch_size = batch_size
+        self.batch_size = reward_batch(batch_size, accelerated=32)
         self.name = f"classifier:{model.name}"
         self.token_forwards = 0
 

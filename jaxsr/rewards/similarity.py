@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxsr.models.encoder import EncoderModel
-from jaxsr.rewards.base import Candidates
+from jaxsr.rewards.base import Candidates, reward_batch
 
 PROMPTS_KEPT = 1024
 """Prompt embeddings kept for the prompts' later rounds (SR scores a prompt every round)."""
@@ -14,19 +14,20 @@ PROMPTS_KEPT = 1024
 class EmbeddingSimilarity:
     """Relevance of a response to its prompt under a sentence encoder (e.g. all-MiniLM-L6-v2)."""
 
-    def __init__(self, encoder: EncoderModel):
+    def __init__(self, encoder: EncoderModel, batch_size: int | None = None):
         if not isinstance(encoder, EncoderModel):
             raise TypeError(f"reward: expected a jaxsr.EncoderModel, got {type(encoder).__name__}")
         if encoder.tokenizer is None:
             raise ValueError(f"reward: the encoder {encoder.name} has no tokenizer to embed text with")
         self.encoder = encoder
+        self.batch_size = reward_batch(batch_size, accelerated=64)
         self.name = f"embedding_similarity:{encoder.name}"
         self.token_forwards = 0
         self._prompt_cache: dict[str, np.ndarray] = {}
 
     def _embed(self, texts: list[str]) -> np.ndarray:
         before = self.encoder.token_forwards
-        embeddings = np.asarray(self.encoder.embed(texts))
+        embeddings = np.asarray(self.encoder.embed(texts, batch_size=self.batch_size))
         self.token_forwards += self.encoder.token_forwards - before
         return embeddings
 
