@@ -210,8 +210,11 @@ def main() -> None:
         )
         try:
             trees = {"old": old_tree, "new": ROOT}
+            passes = {"generate": args.passes, "best_of_8": args.best_of_8_passes}
             jobs = [
-                row for name in args.jobs for row in job_side_by_side(trees, Path(scratch), args.passes, name)
+                row
+                for name in args.jobs
+                for row in job_side_by_side(trees, Path(scratch), passes[name], name)
             ]
             resumes = resume_side_by_side(trees, Path(scratch), args.resume_records)
         finally:
