@@ -75,6 +75,27 @@ def test_each_result_is_handed_on_as_its_search_ends(lm, alone):
     assert [(i, r.best) for i, r in ended] == [(0, best[0].best), (1, best[1].best)]
 
 
+def test_the_prompts_in_flight_are_scored_in_one_reward_call_a_round(lm, alone):
+    """A reward with `score_many` gets every prompt in flight of a round in one call (3 here), and the
+    searches are those each prompt gets alone."""
+
+    class Counting(SelfLikelihood):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[int] = []
+
+        def score_many(self, batches):
+            self.calls.append(len(batches))
+            return [self.score(c) for c in batches]
+
+    reward = Counting()
+    packed = jaxsr.speculative_rejection(
+        lm, reward, PROMPTS, memory_budget=32 + 16 * 8, concurrent_prompts=3, **OPTIONS
+    )
+    assert max(reward.calls) == 3
+    assert_same_search(packed, alone)
+
+
 def test_the_searches_reject_and_diverge(alone):
     """What the comparisons above rest on: every prompt rejects, and finished rows send some prompts to
     other rungs than the rest (so stacks form, split and re-form)."""

@@ -11,9 +11,10 @@ pauses, what a decision keeps, what the search returns): Speculative Rejection's
 `run_searches` keeps up to `concurrent` searches in flight. Every round, the searches whose next round
 has the same shapes (rows, row-cache slots, prompt slots) are stacked into one decode state — rows
 grouped by prompt, each group attending to its own prompt's caches — and decoded in one loop, each
-prompt's rows pausing at its own point (`pause_at` per row). The state is then split back per prompt,
-and each prompt scores, decides and compacts on its own. A finished prompt's place goes to the next
-prompt. Stacking copies the members' caches for the round: while it runs, memory holds the stack and,
+prompt's rows pausing at its own point (`pause_at` per row). The state is then split back per prompt;
+the prompts' responses are scored together (one reward call for all whose reward reads text:
+`score_round`), and each prompt decides and compacts on its own. A finished prompt's place goes to the
+next prompt. Stacking copies the members' caches for the round: while it runs, memory holds the stack and,
 for a moment, the members' own states (transient, not counted in the plans).
 
 A prompt's rows draw their random streams from (seed, prompt, sample, token index) and pause where its
@@ -42,7 +43,7 @@ from jaxsr.ladder import bucket
 from jaxsr.models.cache import PromptCache
 from jaxsr.results import Result, Sample
 from jaxsr.rewards.base import Reward
-from jaxsr.search.candidates import best, score_samples, token_scorer
+from jaxsr.search.candidates import best, score_prompts, score_samples, token_scorer
 from jaxsr.sharding import padded_rows
 from jaxsr.timing import Stopwatch
 
@@ -215,16 +216,22 @@ class PromptSearch:
         reads the decode buffer where it lies."""
         watch = Stopwatch()
         before = self.reward.token_forwards
-        host, state, model = self._host, self._state, self.sampler.target
-        live_rows = np.flatnonzero(host.alive)
         on_device = None
         if self.scorer is not None:
+            state, host = self._state, self._host
             lengths = state.num_generated - state.finished
-            on_device = np.asarray(self.scorer(state.tokens, lengths))[live_rows]
-        samples = samples_of(model, take_rows(host, live_rows))
-        self.samples = score_samples(model, self.reward, self.prompt, self.ids, samples, on_device)
+            on_device = np.asarray(self.scorer(state.tokens, lengths))[np.flatnonzero(host.alive)]
+        model = self.sampler.target
+        self.samples = score_samples(
+            model, self.reward, self.prompt, self.ids, self.round_samples(), on_device
+        )
         self.ledger.reward_forwards += self.reward.token_forwards - before
         self.ledger.add("scoring_s", watch.split())
+
+    def round_samples(self) -> list[Sample]:
+        """The round's live rows as unscored `Sample`s, in row order."""
+        host = self._host
+        return samples_of(self.sampler.target, take_rows(host, np.flatnonzero(host.alive)))
 
     def decide(self) -> None:
         """A decision point: the policy's, and the survivors gathered into its batch — or the search
@@ -290,8 +297,8 @@ def run_searches(
             groups[search.shape()].append(search)
         for members in groups.values():
             decode_together(sampler, members)
+        score_round(running)
         for search in running:
-            search.score()
             search.decide()
         own = [search.ledger.spent() - before for search, before in zip(running, spent, strict=True)]
         share = max(0.0, time.perf_counter() - t0 - sum(own)) / len(running)
@@ -301,6 +308,27 @@ def run_searches(
             if search.finished and on_end is not None:
                 on_end(search)
         running = [s for s in running if not s.finished]
+
+
+def score_round(searches: list[PromptSearch]) -> None:
+    """Every search's round scored: on device where its reward reads the generator's ids, the others
+    together, one reward call per reward for all their prompts (`score_prompts`: shared model batches),
+    each search charged an even share of it."""
+    by_reward: dict[int, list[PromptSearch]] = defaultdict(list)
+    for search in searches:
+        if search.scorer is not None:
+            search.score()
+        else:
+            by_reward[id(search.reward)].append(search)
+    for group in by_reward.values():
+        reward, model, count = group[0].reward, group[0].sampler.target, len(group)
+        watch, before = Stopwatch(), reward.token_forwards
+        scored = score_prompts(model, reward, [(s.prompt, s.ids, s.round_samples()) for s in group])
+        (running, compiled), forwards = watch.split(), reward.token_forwards - before
+        for k, (search, samples) in enumerate(zip(group, scored, strict=True)):
+            search.samples = samples
+            search.ledger.reward_forwards += forwards * (k + 1) // count - forwards * k // count
+            search.ledger.add("scoring_s", (running / count, compiled / count))
 
 
 def decode_together(sampler: Sampler, members: list[PromptSearch]) -> None:
