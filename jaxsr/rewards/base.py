@@ -58,9 +58,9 @@ def reward_batch(batch_size: int | None, accelerated: int) -> int:
 def score_each(reward: Reward, batches: list[Candidates]) -> list[np.ndarray]:
     """Several prompts' candidates scored: in shared model batches where the reward has
     `score_many(batches) -> [scores of each]` (jaxsr's model rewards do), else one prompt at a time."""
-    many = getattr(reward, "score_many", None)
     if not batches:
         return []
+    many = getattr(reward, "score_many", None)
     if many is not None:
         return list(many(batches))
     return [reward.score(c) if len(c) else np.zeros(0) for c in batches]

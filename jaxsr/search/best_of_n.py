@@ -16,6 +16,7 @@ from jaxsr.rewards import as_reward
 from jaxsr.search.candidates import (
     best,
     check_reward,
+    even_share,
     score_ids,
     score_prompts,
     score_samples,
@@ -69,7 +70,7 @@ def best_of_n(
     results = []
     for i, (prompt, samples, st) in enumerate(zip(prompts, scored, run.stats, strict=True)):
         # the prompts were scored together: each takes an even share of the scoring
-        st["token_forwards"]["reward"] = forwards * (i + 1) // count - forwards * i // count
+        st["token_forwards"]["reward"] = even_share(forwards, i, count)
         st["kv_bytes"] = st["kv_slots"] * sampler.slot_bytes
         st["scoring_s"] = scoring_s / count
         st["compile_s"] += compiled / count

@@ -108,6 +108,12 @@ def score_prompts(model: Model, reward: Reward, items: list[Scored]) -> list[lis
     return [score_samples(model, reward, *item, scores=x) for item, x in zip(items, scores, strict=True)]
 
 
+def even_share(total: int, k: int, count: int) -> int:
+    """Item `k`'s part of an integer `total` shared evenly by `count` items (the parts add up to it):
+    a reward call's token positions charged to the prompts it scored together."""
+    return total * (k + 1) // count - total * k // count
+
+
 def check_scores(reward: Reward, scores: Any, count: int) -> np.ndarray:
     """A reward's output as [count] float64 scores, refused unless it is `count` finite real numbers
     (the search could not rank anything else)."""

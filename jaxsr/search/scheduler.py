@@ -43,7 +43,7 @@ from jaxsr.ladder import bucket
 from jaxsr.models.cache import PromptCache
 from jaxsr.results import Result, Sample
 from jaxsr.rewards.base import Reward
-from jaxsr.search.candidates import best, score_prompts, score_samples, token_scorer
+from jaxsr.search.candidates import best, even_share, score_prompts, score_samples, token_scorer
 from jaxsr.sharding import padded_rows
 from jaxsr.timing import Stopwatch
 
@@ -327,7 +327,7 @@ def score_round(searches: list[PromptSearch]) -> None:
         (running, compiled), forwards = watch.split(), reward.token_forwards - before
         for k, (search, samples) in enumerate(zip(group, scored, strict=True)):
             search.samples = samples
-            search.ledger.reward_forwards += forwards * (k + 1) // count - forwards * k // count
+            search.ledger.reward_forwards += even_share(forwards, k, count)
             search.ledger.add("scoring_s", (running / count, compiled / count))
 
 
