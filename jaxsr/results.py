@@ -25,18 +25,44 @@ class Sample:
 
 
 @dataclasses.dataclass
-class Result:
-    """Everything produced for one prompt."""
+class Rejected:
+    """A partial response a search stopped, and the decision that stopped it."""
 
-    prompt: str | list[int]
-    samples: list[Sample]
-    best: Sample | None = None
-    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sample: Sample
+    decision: int
+    """Index of the decision in `Result.stats["decisions"]`."""
+    at_token: int
+    """Tokens the longest live row had generated at that decision."""
+    forced: bool
+    """Stopped because the memory could not hold it (kept by the rejection rule)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            **self.sample.to_dict(),
+            "decision": self.decision,
+            "at_token": self.at_token,
+            "forced": self.forced,
+        }
+
+
+@dataclasses.dataclass
+class Result:
+    """Everything produced for one prompt."""
+
+    prompt: str | list[int] | list[dict[str, str]]
+    samples: list[Sample]
+    best: Sample | None = None
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    rejected: list[Rejected] | None = None
+    """Speculative Rejection with `keep_rejected`: the partial responses it stopped (preference data)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        record = {
             "prompt": self.prompt,
             "samples": [s.to_dict() for s in self.samples],
             "best": None if self.best is None else self.best.to_dict(),
             "stats": self.stats,
         }
+        if self.rejected is not None:
+            record["rejected"] = [r.to_dict() for r in self.rejected]
+        return record

@@ -10,6 +10,52 @@ import numpy as np
 
 from jaxsr import chat_template
 
+Messages = list[dict[str, str]]
+"""A conversation: `{"role", "content"}` messages, as chat templates and TRL's datasets hold them."""
+ROLES = ("system", "user", "assistant")
+
+
+def is_conversation(prompt: Any) -> bool:
+    """Whether a prompt is given as messages (a list of mappings) rather than a text or token ids."""
+    return isinstance(prompt, list | tuple) and len(prompt) > 0 and all(isinstance(m, dict) for m in prompt)
+
+
+def check_conversation(name: str, messages: Any) -> Messages:
+    """A conversation to answer, checked: `{"role", "content"}` messages with string contents, a system
+    message only first, ending in a user turn (the generator writes the assistant's next turn)."""
+    if not is_conversation(messages):
+        raise TypeError(
+            f"{name}: expected a list of {{'role', 'content'}} messages, got {type(messages).__name__}"
+        )
+    checked = []
+    for k, message in enumerate(messages):
+        where = f"{name}[{k}]"
+        if set(message) != {"role", "content"}:
+            raise ValueError(
+                f"{where}: expected the keys 'role' and 'content', got {sorted(map(str, message))}"
+            )
+        role, content = message["role"], message["content"]
+        if role not in ROLES:
+            raise ValueError(f"{where}: role must be one of {ROLES}, got {role!r}")
+        if role == "system" and k > 0:
+            raise ValueError(f"{where}: a system message may only come first")
+        if not isinstance(content, str):
+            raise TypeError(f"{where}: content must be a string, got {type(content).__name__}")
+        checked.append({"role": role, "content": content})
+    if checked[-1]["role"] != "user" or not checked[-1]["content"].strip():
+        raise ValueError(f"{name}: the conversation must end in a non-empty user turn (the one to answer)")
+    return checked
+
+
+def as_messages(prompt: str | Messages) -> Messages:
+    """A prompt as a conversation: a text is one user turn."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def last_user_turn(prompt: str | Messages) -> str:
+    """What the user asked last: a text prompt itself, or a conversation's final user message."""
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
 
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
@@ -46,13 +92,17 @@ def encode(tokenizer: Any, text: str, *, special_tokens: bool = True) -> list[in
     return list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
 
 
-def encode_user_turn(tokenizer: Any, prompt: str, *, chat: bool, max_chars: int | None = None) -> list[int]:
-    """A user prompt as the generator sees it: in the chat template ready for the assistant's answer,
-    or as plain text. A rendering longer than `max_chars` is refused before it is tokenized (a template
-    can turn a short prompt into gigabytes of text)."""
+def encode_prompt(
+    tokenizer: Any, prompt: str | Messages, *, chat: bool, max_chars: int | None = None
+) -> list[int]:
+    """A prompt as the generator sees it: a text (one user turn) or a conversation in the chat template,
+    ready for the assistant's answer, or a text as it is (`chat=False`). A rendering longer than
+    `max_chars` is refused before it is tokenized (a template can turn a short prompt into gigabytes)."""
     if not chat:
+        if not isinstance(prompt, str):
+            raise ValueError("a conversation needs a chat template (the model has none, or chat=False)")
         return encode(tokenizer, prompt)
-    text = render_chat(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    text = render_chat(tokenizer, as_messages(prompt), add_generation_prompt=True)
     if max_chars is not None and len(text) > max_chars:
         raise ValueError(
             f"chat template of {_name(tokenizer)}: renders the prompt as {len(text)} characters, more than "

@@ -398,28 +398,27 @@ def template_ids(tokenizer, prompt: str) -> tuple[list[int], list[int]]:
 
 
 def test_best_of_n_with_classifier_reward(bon, rm, smol_tokenizer):
-    # generator and reward model share SmolLM2's vocabulary, so each score is the reward of the
-    # template's prefix + the response's own ids + the closing suffix, computed on device; where the
-    # ids round-trip through text this is exactly [user: prompt, assistant: decoded response]
-    round_trips = 0
+    # generator and reward model share SmolLM2's vocabulary: a response whose ids are what its text
+    # renders to is scored on device (template prefix + its own ids + suffix); one whose sampled ids are
+    # not its text's tokenization is scored through its text. Either way each stored score is the
+    # reward model's score of [user: prompt, assistant: stored text] in its template.
+    round_trips = rerendered = 0
     for prompt, result in zip(PROMPTS, bon, strict=True):
         prefix, suffix = template_ids(smol_tokenizer, prompt)
-        rows = [prefix + s.token_ids + suffix for s in result.samples]
-        for sample, ids in zip(result.samples, rows, strict=True):
+        for sample in result.samples:
             assert sample.text == smol_tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-            if smol_tokenizer(sample.text, add_special_tokens=False)["input_ids"] == sample.token_ids:
-                round_trips += 1
-                assert ids == rendered_ids(smol_tokenizer, prompt, sample.text)
+            rendered = rendered_ids(smol_tokenizer, prompt, sample.text)
+            on_device = prefix + sample.token_ids + suffix == rendered
+            round_trips, rerendered = round_trips + on_device, rerendered + (not on_device)
+        rows = [rendered_ids(smol_tokenizer, prompt, s.text) for s in result.samples]
         expected = np.asarray(rm.scores(*left_padded(rows)))
         assert len(result.samples) == N and [s.index for s in result.samples] == list(range(N))
         check_best(result)
         np.testing.assert_allclose([s.score for s in result.samples], expected, atol=TOL, rtol=0)
         assert len({s.score for s in result.samples}) > 1
         forwards = result.stats["token_forwards"]
-        width = next_pow2(next_pow2(len(prefix), 16) + next_pow2(MAX_NEW, 16) + len(suffix), 16)
-        assert forwards["reward"] == next_pow2(N, 1) * width
-        assert forwards["generator"] > 0
-    assert round_trips > 0
+        assert forwards["reward"] > 0 and forwards["generator"] > 0
+    assert round_trips > 0 and rerendered > 0  # both paths ran
 
 
 @pytest.mark.slow

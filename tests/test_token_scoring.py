@@ -20,6 +20,7 @@ TEXTS = [
     "Bake at 220 °C for 30 minutes, then let it cool. " * 2,
 ]
 PROMPT = "Tell me something."
+MESSAGES = [{"role": "user", "content": PROMPT}]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def test_on_device_scores_equal_the_text_path(models):
     lm, rm = models
     reward = ClassifierReward(rm)
     ids = [lm.tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
-    scorer = reward.token_scorer(lm, PROMPT, max_new_tokens=128)
+    scorer = reward.token_scorer(lm, MESSAGES, max_new_tokens=128)
     assert scorer is not None
     on_device = score_ids(scorer, ids, max_new_tokens=128)
     candidates = Candidates(PROMPT, [], ids, TEXTS, np.zeros(len(ids)), np.ones(len(ids)))
@@ -57,8 +58,8 @@ def test_no_device_path_for_another_vocabulary_or_a_too_long_response(models):
     other = jaxsr.Model.from_module(
         lm.module, tokenizer=transformers.PreTrainedTokenizerFast(tokenizer_object=words)
     )
-    assert reward.token_scorer(other, PROMPT, max_new_tokens=16) is None
-    assert reward.token_scorer(lm, PROMPT, max_new_tokens=250) is None  # past the 256-token context
+    assert reward.token_scorer(other, MESSAGES, max_new_tokens=16) is None
+    assert reward.token_scorer(lm, MESSAGES, max_new_tokens=250) is None  # past the 256-token context
 
 
 def test_search_scores_its_decode_buffer_on_device(models, monkeypatch):

@@ -1,8 +1,9 @@
 """Every decoding and search call's inputs, validated and encoded once: `prepare(models, prompts,
 Options(...))` → `Request`.
 
-Errors name the argument and what was expected. Prompts are strings (through the target's chat template
-when its tokenizer has one, unless `chat=False`) or lists of token ids (used as they are)."""
+Errors name the argument and what was expected. Prompts are strings or conversations (lists of
+`{"role", "content"}` messages; both through the target's chat template when its tokenizer has one,
+unless `chat=False`) or lists of token ids (used as they are)."""
 
 from __future__ import annotations
 
@@ -110,41 +111,20 @@ several characters of text into one)."""
 
 
 def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> list[list[int]]:
-    """Token ids of each prompt. Strings go through the chat template when the tokenizer has one
-    (and `chat` is not False); lists of ints are used as they are."""
+    """Token ids of each prompt. Texts and conversations (lists of `{"role", "content"}` messages) go
+    through the chat template when the tokenizer has one (and `chat` is not False); lists of ints are
+    used as they are."""
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-        raise TypeError("prompts: expected a list of strings or a list of token-id lists")
+        raise TypeError("prompts: expected a list of strings, conversations or token-id lists")
     if len(prompts) == 0:
         raise ValueError("prompts: the list is empty")
     if chat is not None and not isinstance(chat, bool):
         raise TypeError(f"chat: expected True, False or None, got {chat!r}")
-    tokenizer = model.tokenizer
-    use_chat = chat if chat is not None else text.has_chat_template(tokenizer)
+    use_chat = chat if chat is not None else text.has_chat_template(model.tokenizer)
     encoded = []
     for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError(f"prompts[{i}]: empty prompt")
-            if tokenizer is None:
-                raise ValueError(f"prompts[{i}]: text prompts need a model with a tokenizer; pass token ids")
-            check_unicode(f"prompts[{i}]", prompt)
-            most = CHARACTER_SLACK * model.config.context * text.longest_token(tokenizer)
-            if len(prompt) > most:  # refused before tokenizing: a huge text can take gigabytes to encode
-                raise ValueError(
-                    f"prompts[{i}]: {len(prompt)} characters cannot fit the model's context of "
-                    f"{model.config.context} tokens"
-                )
-            try:
-                ids = text.encode_user_turn(tokenizer, prompt, chat=use_chat, max_chars=most)
-            except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from None
-            if not ids:
-                raise ValueError(f"prompts[{i}]: encodes to no tokens (check the chat template)")
-            if max(ids) >= model.config.vocab_size:
-                raise ValueError(
-                    f"prompts[{i}]: the tokenizer gives id {max(ids)}, outside the model's vocabulary "
-                    f"of {model.config.vocab_size} (tokenizer and checkpoint do not match)"
-                )
+        if isinstance(prompt, str) or text.is_conversation(prompt):
+            ids = _encode_text(model, prompt, f"prompts[{i}]", use_chat)
         elif isinstance(prompt, bytes | bytearray):
             raise TypeError(f"prompts[{i}]: expected a string or a list of ints, got bytes (decode it first)")
         elif isinstance(prompt, Sequence) and all(is_int(t) for t in prompt):
@@ -154,9 +134,47 @@ def encode_prompts(model: Model, prompts: Any, *, chat: bool | None = None) -> l
             if min(ids) < 0 or max(ids) >= model.config.vocab_size:
                 raise ValueError(f"prompts[{i}]: token ids must lie in [0, {model.config.vocab_size})")
         else:
-            raise TypeError(f"prompts[{i}]: expected a string or a list of ints, got {type(prompt).__name__}")
+            raise TypeError(
+                f"prompts[{i}]: expected a string, a list of {{'role', 'content'}} messages or a list of "
+                f"ints, got {type(prompt).__name__}"
+            )
         encoded.append(ids)
     return encoded
+
+
+def _encode_text(model: Model, prompt: str | list, name: str, chat: bool) -> list[int]:
+    """A text or conversation prompt's ids, refused (naming it) when empty, not valid Unicode, too long
+    for the model's context, or encoded outside the model's vocabulary."""
+    tokenizer = model.tokenizer
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{name}: empty prompt")
+        check_unicode(name, prompt)
+        size = len(prompt)
+    else:
+        prompt = text.check_conversation(name, prompt)
+        for k, message in enumerate(prompt):
+            check_unicode(f"{name}[{k}]", message["content"])
+        size = sum(len(m["content"]) for m in prompt)
+    if tokenizer is None:
+        raise ValueError(f"{name}: text prompts need a model with a tokenizer; pass token ids")
+    most = CHARACTER_SLACK * model.config.context * text.longest_token(tokenizer)
+    if size > most:  # refused before tokenizing: a huge text can take gigabytes to encode
+        raise ValueError(
+            f"{name}: {size} characters cannot fit the model's context of {model.config.context} tokens"
+        )
+    try:
+        ids = text.encode_prompt(tokenizer, prompt, chat=chat, max_chars=most)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    if not ids:
+        raise ValueError(f"{name}: encodes to no tokens (check the chat template)")
+    if max(ids) >= model.config.vocab_size:
+        raise ValueError(
+            f"{name}: the tokenizer gives id {max(ids)}, outside the model's vocabulary of "
+            f"{model.config.vocab_size} (tokenizer and checkpoint do not match)"
+        )
+    return ids
 
 
 def check_context(model: Model, prompts: list[list[int]], max_new_tokens: int) -> None:

@@ -16,7 +16,7 @@ class Candidates:
     """Responses to one prompt, each cut before its EOS/stop token."""
 
     prompt_text: str
-    """The user's prompt as text (what a reward model's chat template renders as the user turn)."""
+    """What the user asked: the prompt's text, or a conversation's last user turn."""
     prompt_ids: list[int]
     """The prompt as the generator saw it (chat template applied)."""
     token_ids: list[list[int]]
@@ -25,6 +25,13 @@ class Candidates:
     """[n] generator log-probability of each response's sampled tokens (stop token included)."""
     num_tokens: np.ndarray
     """[n] tokens each logprob_sum covers."""
+    messages: list[dict[str, str]] | None = None
+    """The prompt as a conversation (system message, earlier turns, the user turn answered): what a
+    reward model's chat template renders before the response. None: one user turn of `prompt_text`."""
+
+    def __post_init__(self) -> None:
+        if self.messages is None:
+            self.messages = [{"role": "user", "content": self.prompt_text}]
 
     def __len__(self) -> int:
         return len(self.token_ids)

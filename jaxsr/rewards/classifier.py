@@ -3,12 +3,15 @@
 Responses normally go through text: decoded, rendered with the reward model's template, re-tokenized.
 When the reward model reads the generator's token ids (same vocabulary), `token_scorer` instead builds
 the rendered conversation on device from the template's fixed prefix and suffix ids and the generated
-ids themselves, so a search scores its decode buffer without a host round trip. The two agree whenever
-decoding and re-encoding a response gives back its ids (canonical tokenization).
+ids themselves, so a search scores its decode buffer without a host round trip. The two agree when
+rendering and tokenizing a response's text gives back exactly those ids; sampled ids often are not their
+text's canonical tokenization (SmolLM2 samples `ĊĊ` before a digit, its text re-encodes as `Ċ`,`Ċ`), and
+`IdScorer.agrees` tells which responses the reward reads the same both ways.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 
@@ -21,7 +24,7 @@ from jaxsr.ladder import bucket, fine_bucket, length_sorted_chunks
 from jaxsr.models.model import Model, RewardModel
 from jaxsr.rewards.base import Candidates, reward_batch
 from jaxsr.sharding import padded_rows, place_rows
-from jaxsr.text import encode, has_chat_template, left_pad, render_chat, same_vocabulary
+from jaxsr.text import Messages, encode, has_chat_template, left_pad, render_chat, same_vocabulary
 
 TokenScorer = Callable[[jax.Array, jax.Array], jax.Array]
 """(response ids [B, N], response lengths [B]) → scores [B], on device."""
@@ -59,34 +62,37 @@ class ClassifierReward:
         self.name = f"classifier:{model.name}"
         self.token_forwards = 0
 
-    def conversation(self, prompt: str, response: str) -> str | None:
-        """[user: prompt, assistant: response] in the reward model's chat template (None without one)."""
+    def conversation(self, messages: Messages, response: str) -> str | None:
+        """The conversation and the response as the assistant's turn, in the reward model's chat
+        template (None without one)."""
         tokenizer = self.model.tokenizer
         if not has_chat_template(tokenizer):
             return None
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        turns = [*messages, {"role": "assistant", "content": response}]
         try:
-            return render_chat(tokenizer, messages, add_generation_prompt=False)
+            return render_chat(tokenizer, turns, add_generation_prompt=False)
         except Exception as e:
             raise ValueError(f"reward: the reward model's chat template cannot render the prompt: {e}") from e
 
-    def check(self, prompt: str) -> None:
+    def check(self, messages: Messages) -> None:
         """Refuse, before any decoding, a prompt the reward model's template cannot render (with an
         empty answer and a short one: templates may treat the two differently)."""
         for response in ("", "A short answer."):
-            self.render(prompt, response)
+            self.render(messages, response)
 
-    def render(self, prompt: str, response: str) -> list[int]:
+    def render(self, messages: Messages, response: str) -> list[int]:
+        """The ids the reward model reads: the conversation with the response, through its template
+        (without one: the turns' texts and the response, a line each), its last `context` tokens."""
         tokenizer = self.model.tokenizer
-        text = self.conversation(prompt, response)
+        text = self.conversation(messages, response)
         if text is not None:
             ids = encode(tokenizer, text, special_tokens=False)
         else:
-            ids = encode(tokenizer, prompt + "\n" + response)
+            ids = encode(tokenizer, "\n".join([*(m["content"] for m in messages), response]))
         context = self.model.config.context
         return ids[-context:] if len(ids) > context else ids
 
-    def token_scorer(self, generator: Model, prompt: str, max_new_tokens: int) -> TokenScorer | None:
+    def token_scorer(self, generator: Model, messages: Messages, max_new_tokens: int) -> IdScorer | None:
         """On-device scoring of `generator`'s response ids to `prompt`, or None when the reward model
         does not read the generator's ids (other vocabulary), has no chat template, lives on other
         devices than the decode buffer (another mesh), or the longest rendered response would exceed
@@ -96,7 +102,7 @@ class ClassifierReward:
             return None
         if self.model.mesh != generator.mesh:
             return None
-        before, found, after = (self.conversation(prompt, _RESPONSE) or "").partition(_RESPONSE)
+        before, found, after = (self.conversation(messages, _RESPONSE) or "").partition(_RESPONSE)
         if not found:
             return None
         prefix, suffix = (encode(tokenizer, part, special_tokens=False) for part in (before, after))
@@ -114,14 +120,14 @@ class ClassifierReward:
             tokens, lengths = place_rows(self.model.mesh, tokens, jnp.asarray(lengths, jnp.int32))
             return _score_ids(graph, params, *consts, tokens, lengths, width)
 
-        return score
+        return IdScorer(score, self, messages, (prefix, suffix))
 
     def score(self, candidates: Candidates) -> np.ndarray:
         return self.score_many([candidates])[0]
 
     def score_many(self, batches: list[Candidates]) -> list[np.ndarray]:
         """Several prompts' responses scored in shared batches, shortest first."""
-        encoded = [self.render(c.prompt_text, text) for c in batches for text in c.texts]
+        encoded = [self.render(c.messages, text) for c in batches for text in c.texts]
         scores = np.zeros(len(encoded), np.float64)
         for chunk in length_sorted_chunks([len(ids) for ids in encoded], self.batch_size):
             rows = padded_rows(fine_bucket(len(chunk)), self.model.mesh)  # splits over `data`
@@ -131,3 +137,25 @@ class ClassifierReward:
             self.token_forwards += rows * length
             scores[chunk] = np.asarray(self.model.scores(tokens, mask))[: len(chunk)]
         return np.split(scores, np.cumsum([len(c) for c in batches])[:-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class IdScorer:
+    """A classifier's on-device scorer of one prompt's responses (a `TokenScorer`), and the test of
+    which responses it reads as the text path does."""
+
+    score: TokenScorer
+    reward: ClassifierReward
+    messages: Messages
+    frame: tuple[list[int], list[int]]
+    """The template's ids before and after the response."""
+
+    def __call__(self, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+        return self.score(tokens, lengths)
+
+    def agrees(self, token_ids: list[list[int]], texts: list[str]) -> np.ndarray:
+        """[n] bool: whether rendering and tokenizing each response's text gives the reward model the
+        ids the device reads (prefix, the response's ids, suffix) — then both paths score the same."""
+        prefix, suffix = self.frame
+        read = [self.reward.render(self.messages, text) for text in texts]
+        return np.array([r == [*prefix, *ids, *suffix] for r, ids in zip(read, token_ids, strict=True)], bool)

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from jaxsr.checks import check_callback, check_positive_int, check_responses_fit
 from jaxsr.decoding.driver import Sampler, as_sampler, decode, default_rows, samples_of
 from jaxsr.decoding.inputs import Options, check_sampling, prepare
@@ -17,6 +19,7 @@ from jaxsr.search.candidates import (
     best,
     check_reward,
     even_share,
+    read_on_device,
     score_ids,
     score_prompts,
     score_samples,
@@ -83,18 +86,26 @@ def best_of_n(
 
 def score_rows(lm: Model, reward: Any, items: list[tuple[Any, list[int], Any]], max_new_tokens: int) -> list:
     """Each (prompt, ids, decoded rows)'s samples, scored: on device where the reward reads the
-    generator's ids (per prompt: its template prefix), the others together in shared batches."""
+    generator's ids as it reads their text (per prompt: its template prefix), the others through their
+    text, together in shared batches."""
     samples = [samples_of(lm, rows) for _, _, rows in items]
-    scored: list = [None] * len(items)
-    by_text = []
+    by_text: list[tuple[int, np.ndarray]] = []
     for i, ((prompt, ids, _), mine) in enumerate(zip(items, samples, strict=True)):
         scorer = token_scorer(lm, reward, prompt, max_new_tokens)
-        if scorer is None:
-            by_text.append(i)
-            continue
-        on_device = score_ids(scorer, [s.token_ids for s in mine], max_new_tokens)
-        scored[i] = score_samples(lm, reward, prompt, ids, mine, on_device)
-    texts = score_prompts(lm, reward, [(*items[i][:2], samples[i]) for i in by_text])
-    for i, mine in zip(by_text, texts, strict=True):
-        scored[i] = mine
-    return scored
+        same = read_on_device(scorer, mine) if scorer is not None else np.zeros(len(mine), bool)
+        if same.any():
+            rows = np.flatnonzero(same)
+            on_device = score_ids(scorer, [mine[j].token_ids for j in rows], max_new_tokens)
+            place(mine, rows, score_samples(lm, reward, prompt, ids, [mine[j] for j in rows], on_device))
+        if not same.all():
+            by_text.append((i, np.flatnonzero(~same)))
+    items = [(*items[i][:2], [samples[i][j] for j in rows]) for i, rows in by_text]
+    for (i, rows), scored in zip(by_text, score_prompts(lm, reward, items), strict=True):
+        place(samples[i], rows, scored)
+    return samples
+
+
+def place(samples: list, rows: np.ndarray, scored: list) -> None:
+    """Put the scored samples back at their rows."""
+    for j, sample in zip(rows, scored, strict=True):
+        samples[j] = sample

@@ -15,24 +15,32 @@ from jaxsr.results import Sample
 from jaxsr.rewards.base import Candidates, Reward, score_each
 from jaxsr.rewards.classifier import TokenScorer
 
+Prompt = str | list[int] | text.Messages
+"""A prompt as a call takes it: a text, token ids, or a conversation."""
+Scored = tuple[Prompt, list[int], list[Sample]]
+"""(prompt, its ids as the generator saw it, samples)."""
 
-def prompt_text(model: Model, prompt: str | list[int]) -> str:
-    """The prompt as the reward's user turn: the text itself, or token ids decoded."""
-    return prompt if isinstance(prompt, str) else text.decode(model.tokenizer, prompt)
+
+def prompt_messages(model: Model, prompt: Prompt) -> text.Messages:
+    """The prompt as the conversation a reward renders before the response: a conversation as it is,
+    a text (or token ids, decoded) as one user turn."""
+    if text.is_conversation(prompt):
+        return list(prompt)
+    return text.as_messages(prompt if isinstance(prompt, str) else text.decode(model.tokenizer, prompt))
 
 
 def check_reward(
-    reward: Reward, model: Model, prompts: Sequence[str | list[int]], encoded: Sequence[list[int]] = ()
+    reward: Reward, model: Model, prompts: Sequence[Prompt], encoded: Sequence[list[int]] = ()
 ) -> None:
     """Let the reward refuse, before any decoding, the prompts it could not score (a reward model
-    whose template cannot render them): its optional `check(prompt_text)`. A reward that is not one of
+    whose template cannot render them): its optional `check(messages)`. A reward that is not one of
     jaxsr's own also scores two stand-in responses to the first prompt (`encoded`: the prompts' ids),
     so one that fails, or returns what no search can rank, is refused before hours of decoding."""
     check = getattr(reward, "check", None)
     if callable(check):
         for i, prompt in enumerate(prompts):
             try:
-                check(prompt_text(model, prompt))
+                check(prompt_messages(model, prompt))
             except ValueError as e:
                 raise ValueError(f"{e} (prompts[{i}])") from None
     if encoded and not type(reward).__module__.startswith("jaxsr."):
@@ -46,13 +54,32 @@ def check_reward(
             raise ValueError(f"{e} (tried before decoding on two stand-in responses to prompts[0])") from None
 
 
-def token_scorer(
-    model: Model, reward: Reward, prompt: str | list[int], max_new_tokens: int
-) -> TokenScorer | None:
+def token_scorer(model: Model, reward: Reward, prompt: Prompt, max_new_tokens: int) -> TokenScorer | None:
     """The reward's on-device scorer of `model`'s response ids (a classifier reading the same
     vocabulary), or None: responses are then scored through text."""
     make = getattr(reward, "token_scorer", None)
-    return None if make is None else make(model, prompt_text(model, prompt), max_new_tokens)
+    return None if make is None else make(model, prompt_messages(model, prompt), max_new_tokens)
+
+
+def read_on_device(scorer: TokenScorer, samples: list[Sample]) -> np.ndarray:
+    """[n] bool: the samples an on-device scorer scores as the reward scores their text (a scorer
+    without `agrees`, a user's own, is trusted for all)."""
+    agrees = getattr(scorer, "agrees", None)
+    if agrees is None:
+        return np.ones(len(samples), bool)
+    return np.asarray(agrees([s.token_ids for s in samples], [s.text for s in samples]), bool)
+
+
+def true_to_text(model: Model, reward: Reward, item: Scored, scorer: TokenScorer) -> list[Sample]:
+    """Samples scored on device by `scorer`, those whose text the reward reads otherwise rescored
+    through their text: every stored score is then the reward of the stored text."""
+    prompt, prompt_ids, samples = item
+    same = read_on_device(scorer, samples)
+    if same.all():
+        return samples
+    redo = [s for s, ok in zip(samples, same, strict=True) if not ok]
+    rescored = iter(score_prompts(model, reward, [(prompt, prompt_ids, redo)])[0])
+    return [s if ok else next(rescored) for s, ok in zip(samples, same, strict=True)]
 
 
 def score_ids(scorer: TokenScorer, token_lists: list[list[int]], max_new_tokens: int) -> np.ndarray:
@@ -68,7 +95,7 @@ def score_ids(scorer: TokenScorer, token_lists: list[list[int]], max_new_tokens:
 def score_samples(
     model: Model,
     reward: Reward,
-    prompt: str | list[int],
+    prompt: Prompt,
     prompt_ids: list[int],
     samples: list[Sample],
     scores: np.ndarray | None = None,
@@ -81,21 +108,18 @@ def score_samples(
     return [dataclasses.replace(s, score=float(x)) for s, x in zip(samples, scores, strict=True)]
 
 
-Scored = tuple[str | list[int], list[int], list[Sample]]
-"""(prompt, its ids as the generator saw it, samples)."""
-
-
 def score_prompts(model: Model, reward: Reward, items: list[Scored]) -> list[list[Sample]]:
     """Several prompts' samples with their reward, scored together (in shared model batches where
     the reward can: `rewards.base.score_each`)."""
     batches = [
         Candidates(
-            prompt_text=prompt_text(model, prompt),
+            prompt_text=text.last_user_turn(prompt_messages(model, prompt)),
             prompt_ids=prompt_ids,
             token_ids=[s.token_ids for s in samples],
             texts=[s.text for s in samples],
             logprob_sum=np.array([s.logprob for s in samples], np.float64),
             num_tokens=np.array([len(s.token_ids) + s.finished for s in samples]),  # stop token included
+            messages=prompt_messages(model, prompt),
         )
         for prompt, prompt_ids, samples in items
     ]

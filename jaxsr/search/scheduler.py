@@ -41,9 +41,16 @@ from jaxsr.decoding.inputs import Request
 from jaxsr.decoding.state import DecodeState, pin, take_rows, to_host
 from jaxsr.ladder import bucket
 from jaxsr.models.cache import PromptCache
-from jaxsr.results import Result, Sample
+from jaxsr.results import Rejected, Result, Sample
 from jaxsr.rewards.base import Reward
-from jaxsr.search.candidates import best, even_share, score_prompts, score_samples, token_scorer
+from jaxsr.search.candidates import (
+    best,
+    even_share,
+    score_prompts,
+    score_samples,
+    token_scorer,
+    true_to_text,
+)
 from jaxsr.sharding import padded_rows
 from jaxsr.timing import Stopwatch
 
@@ -89,6 +96,10 @@ class Policy(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """The policy's own entries of `Result.stats`."""
+        ...
+
+    def rejected(self) -> list[Rejected] | None:
+        """The responses the search stopped, if the policy keeps them (`Result.rejected`)."""
         ...
 
 
@@ -146,6 +157,7 @@ class PromptSearch:
         self.samples: list[Sample] = []
         """The live rows of the last round, scored."""
         self.final: list[Sample] = []
+        self.rejected: list[Rejected] | None = None
         self.finished = False
         self._state: DecodeState | None = None
         self._caches: tuple = ()
@@ -265,10 +277,29 @@ class PromptSearch:
     def _finish(self) -> None:
         self.final = self.policy.final(self.samples)
         self.finished, self._state, self._caches, self._host = True, None, (), None  # free the caches
+        self.rejected = self.policy.rejected()
+        if self.scorer is not None:  # scored from their ids: what is stored must be their text's reward
+            self._true_to_text()
+
+    def _true_to_text(self) -> None:
+        """Rescore through their text the final (and kept rejected) responses the reward reads
+        otherwise from their ids (`candidates.true_to_text`)."""
+        watch, before = Stopwatch(), self.reward.token_forwards
+        stopped = self.rejected or []
+        kept = [*self.final, *(r.sample for r in stopped)]
+        kept = true_to_text(self.sampler.target, self.reward, (self.prompt, self.ids, kept), self.scorer)
+        self.final = kept[: len(self.final)]
+        if self.rejected is not None:
+            self.rejected = [
+                dataclasses.replace(r, sample=s)
+                for r, s in zip(stopped, kept[len(self.final) :], strict=True)
+            ]
+        self.ledger.reward_forwards += self.reward.token_forwards - before
+        self.ledger.add("scoring_s", watch.split())
 
     def result(self) -> Result:
         stats = {**self.ledger.stats(), **self.policy.stats()}
-        return Result(prompt=self.prompt, samples=self.final, best=best(self.final), stats=stats)
+        return Result(self.prompt, self.final, best(self.final), stats, self.rejected)
 
 
 def run_searches(

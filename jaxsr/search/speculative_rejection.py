@@ -52,7 +52,7 @@ from jaxsr.decoding.inputs import Options, check_sampling, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
-from jaxsr.results import Result, Sample
+from jaxsr.results import Rejected, Result, Sample
 from jaxsr.rewards import as_reward
 from jaxsr.search.candidates import check_reward
 from jaxsr.search.memory import MemoryPlan, prompt_budget
@@ -137,6 +137,7 @@ class SearchConfig:
     decision_interval: int | None
     min_first_segment: int
     min_prompt_bucket: int
+    keep_rejected: bool = False
 
     @classmethod
     def checked(
@@ -147,6 +148,7 @@ class SearchConfig:
         decision_interval: Any,
         min_first_segment: Any,
         min_prompt_bucket: Any,
+        keep_rejected: Any = False,
     ) -> SearchConfig:
         if not isinstance(rule, str) or rule not in ("keep_fraction", "quantile"):
             raise ValueError(f"rule: expected 'keep_fraction' or 'quantile', got {rule!r}")
@@ -154,6 +156,8 @@ class SearchConfig:
             raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {min_keep!r}")
         if decision_interval is not None:
             decision_interval = check_positive_int("decision_interval", decision_interval)
+        if not isinstance(keep_rejected, bool):
+            raise TypeError(f"keep_rejected: expected True or False, got {keep_rejected!r}")
         return cls(
             rate=check_rejection_rate(rejection_rate),
             rule=rule,
@@ -161,6 +165,7 @@ class SearchConfig:
             decision_interval=decision_interval,
             min_first_segment=check_positive_int("min_first_segment", min_first_segment),
             min_prompt_bucket=_check_bucket(min_prompt_bucket),
+            keep_rejected=keep_rejected,
         )
 
 
@@ -185,6 +190,7 @@ def speculative_rejection(
     stop_token_ids: Sequence[int] = (),
     prompt_offset: int | Sequence[int] = 0,
     on_result: Callable[[int, Result], None] | None = None,
+    keep_rejected: bool = False,
 ) -> list[Result]:
     """Speculative Rejection per prompt; `rejection_rate=0` with a budget that holds all n rows is
     exactly `best_of_n` with the same seed. `model` is a language model or a two-model sampler. See
@@ -203,11 +209,17 @@ def speculative_rejection(
     counts against the memory budget.
 
     `on_result(i, result)` is called with prompt `i`'s result as soon as its search ends (searches end
-    out of prompt order), before the call returns the list."""
+    out of prompt order), before the call returns the list. `keep_rejected`: each result also lists the
+    partial responses its decisions stopped (`Result.rejected`), preference data too.
+
+    Decisions rank partial responses by the reward's scores of them as they stand; a classifier that
+    reads the generator's ids scores them there, on device, from their ids. The scores a result stores
+    (its samples and rejected responses) are the reward of their stored text: any the reward reads
+    otherwise through its text are rescored through it when the search ends."""
     sampler = as_sampler(model, check_sampling(sampling))
     reward = as_reward(reward)
     config = SearchConfig.checked(
-        rejection_rate, rule, min_keep, decision_interval, min_first_segment, min_prompt_bucket
+        rejection_rate, rule, min_keep, decision_interval, min_first_segment, min_prompt_bucket, keep_rejected
     )
     if n is not None:
         n = check_positive_int("n", n)
@@ -245,6 +257,7 @@ class Rejection:
         self.prompt_slots = plan.prompt_slots
         self.book = Book()
         self.decisions: list[dict[str, Any]] = []
+        self.stopped: list[Rejected] | None = [] if config.keep_rejected else None
 
     def first_batch(self) -> Batch:
         rows = self.plan.ladder[0]
@@ -268,8 +281,23 @@ class Rejection:
         self.decisions.append({"token": generated, **decision})
         if rung is None:
             return None
+        if self.stopped is not None:
+            self._log_stopped(samples, continuing, rung, book.permanent[len(self.book.permanent) :])
         self.book = book
         return Decision(continuing[:rung], Batch(rung, plan.capacity(rung)))
+
+    def _log_stopped(self, samples: list[Sample], continuing: list[int], rung: int, done: tuple) -> None:
+        """Keep the rows of this round the decision stops: neither continuing nor kept as finished;
+        `forced` where the rule kept them but the memory could not."""
+        going = set(continuing[:rung])
+        forced = set(continuing[rung:])
+        at, decision = self.decisions[-1]["token"], len(self.decisions) - 1
+        for j, sample in enumerate(samples):
+            if j not in going and not any(sample is kept for kept in done):
+                self.stopped.append(Rejected(sample, decision, at, j in forced))
+
+    def rejected(self) -> list[Rejected] | None:
+        return self.stopped
 
     def final(self, samples: list[Sample]) -> list[Sample]:
         """The permanent list and the last round's rows, by sample index."""
