@@ -45,14 +45,32 @@ SHARED_KEYS = frozenset(
         "chat",
         "mesh_data",
         "mesh_model",
+        "prompt_field",
+        "messages_field",
+        "system_prompt",
+        "keep_token_ids",
+        "keep_samples",
     ]
 )
 PLACEMENT_KEYS = ("output", "mesh_data", "mesh_model", "concurrent_prompts", "max_rows")
 """Where a job writes and how it uses its devices: not part of what it computes (results are the same
 on any mesh and with any number of prompts searched at once), so a job may resume elsewhere."""
-LATER_KEYS = ("min_first_segment", "decision_interval", "rule", "min_keep")
+LATER_KEYS = (
+    "min_first_segment",
+    "decision_interval",
+    "rule",
+    "min_keep",
+    "prompt_field",
+    "messages_field",
+    "system_prompt",
+    "keep_token_ids",
+    "keep_samples",
+    "keep_rejected",
+)
 """Keys added after job files existed: at their defaults they leave a job's fingerprint as it was, so
 the output of a job started before them still resumes."""
+SR_OPTIONS = ("min_first_segment", "decision_interval", "rule", "min_keep", "keep_rejected")
+"""speculative_rejection's own options."""
 GROWING_KEYS = ("limit",)
 """Keys a job may change between runs and stay the same job: how many of the data's prompts it answers
 (records are keyed by prompt index, so a larger limit adds records, a smaller one is already done)."""
@@ -69,7 +87,14 @@ class JobConfig:
     reward: str | None = None
     """Reward for best_of_n / speculative_rejection: `self_likelihood`, `minilm`, or a reward-model path."""
     data: str = "alpaca_farm_100"
-    """A JSON list / JSONL file of records with a `prompt` field, or a bundled set's name."""
+    """A JSON list, JSONL or Parquet file of records holding a prompt (a string or a conversation), or a
+    set's name (`jaxsr.data`)."""
+    prompt_field: str | None = None
+    """The data's column holding each prompt, a string or a conversation (None: `messages`, else `prompt`)."""
+    messages_field: str | None = None
+    """The data's column holding each prompt as a conversation ({"role", "content"} messages)."""
+    system_prompt: str | None = None
+    """A system message put first in every prompt that has none."""
     limit: int | None = None
     output: str = "out/job.jsonl"
     max_new_tokens: int = 128
@@ -105,6 +130,12 @@ class JobConfig:
     `quantile` (the paper's: scores at or above the α-quantile)."""
     min_keep: int = 1
     """speculative_rejection: the fewest responses a decision keeps (0: the reference's count)."""
+    keep_rejected: bool = False
+    """speculative_rejection: store the partial responses each decision stopped (`rejected`)."""
+    keep_token_ids: bool = True
+    """Store each sample's token ids (False: text only, a smaller output)."""
+    keep_samples: bool = True
+    """Store every sample (False: only the best, in `best`)."""
     seed: int = 0
     dtype: str = "float32"
     chat: bool | None = None
@@ -132,6 +163,8 @@ class JobConfig:
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+        if self.prompt_field is not None and self.messages_field is not None:
+            raise ValueError("prompt_field, messages_field: set one of them (the column holding the prompt)")
         if self.rule not in RULES:
             raise ValueError(f"rule: expected one of {RULES}, got {self.rule!r}")
         if self.min_keep not in (0, 1):
@@ -159,7 +192,7 @@ class JobConfig:
             }
         keys = SHARED_KEYS | {"reward", "n", "memory_budget", "decoder"}
         if self.method == "speculative_rejection":
-            keys |= {"rejection_rate", "concurrent_prompts", *LATER_KEYS}
+            keys |= {"rejection_rate", "concurrent_prompts", *SR_OPTIONS}
         if self.decoder is not None:
             keys |= {"draft", *DECODER_OPTIONS[self.decoder]}
         return keys

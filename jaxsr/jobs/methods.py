@@ -30,7 +30,7 @@ from jaxsr.search.speculative_rejection import speculative_rejection
 
 Write = Callable[[int, dict[str, Any]], None]
 """Takes a prompt's record as soon as the prompt is done: (its index in the job, the record)."""
-Solve = Callable[[list[str], list[int], Write], None]
+Solve = Callable[[list[Any], list[int], Write], None]
 """Solves `prompts`, whose indices in the job (their random streams) are `indices`, handing each
 record to `write`."""
 
@@ -44,7 +44,7 @@ class Solver:
 
     solve: Solve
     prompts_per_call: int
-    check: Callable[[list[str]], list[int]]
+    check: Callable[[list[Any]], list[int]]
 
 
 SEARCH_CALL_ROUNDS = 16
@@ -120,10 +120,11 @@ def build_solver(config: JobConfig) -> Solver:
                 decision_interval=config.decision_interval,
                 rule=config.rule,
                 min_keep=config.min_keep,
+                keep_rejected=config.keep_rejected,
                 **kw,
             )
 
-    def solve(prompts: list[str], indices: list[int], write: Write) -> None:
+    def solve(prompts: list[Any], indices: list[int], write: Write) -> None:
         def ended(i: int, result: Result) -> None:
             write(indices[i], result.to_dict())
 
@@ -133,7 +134,7 @@ def build_solver(config: JobConfig) -> Solver:
         for i, result in enumerate(run(prompts, prompt_offset=indices, **common)):  # a batch ends at once
             ended(i, result)
 
-    def check(prompts: list[str]) -> list[int]:
+    def check(prompts: list[Any]) -> list[int]:
         try:
             request = prepare(models, prompts, Options(**common))
             if reward is not None:

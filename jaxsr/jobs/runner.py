@@ -38,10 +38,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxsr.data import read_prompts
+from jaxsr.data import Columns, read_records
 from jaxsr.jobs.config import JobConfig
 from jaxsr.jobs.methods import Solve, Solver
 from jaxsr.jobs.progress import Progress
+from jaxsr.jobs.records import output_record, provenance
 from jaxsr.ladder import bucket
 from jaxsr.locks import holding
 
@@ -325,7 +326,8 @@ def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress
             part = part_path(output_path, process, processes)
             held.enter_context(holding(part, beside=[job_file(part)]))
         with report.phase("read", f"reading {config.data} and {output_path}…"):
-            everything = read_prompts(config.data)
+            records = read_records(config.data, columns=Columns(*_column_keys(config)))
+            everything = [record.prompt for record in records]
             prompts = everything[: config.limit]
             output = JsonlOutput(output_path, config, prompts=everything, read_only=process != 0)
         if processes == 1 and output.done.issuperset(range(len(prompts))) and not _part_files(output):
@@ -335,7 +337,9 @@ def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress
             solver = build(config)
         with report.phase("check", f"checking {len(prompts)} prompts…"):
             lengths = solver.check(prompts)
-        work = Work(prompts, lengths, solver.solve, solver.prompts_per_call, config.max_new_tokens)
+        source = provenance(config)
+        shape = lambda i, result: output_record(result, records[i].fields, source, config)
+        work = Work(prompts, lengths, solver.solve, solver.prompts_per_call, config.max_new_tokens, shape)
         if processes == 1:
             _merge_parts(output, config)  # parts left by a multi-process run
             pending = [i for i in range(len(prompts)) if i not in output.done]
@@ -344,6 +348,11 @@ def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress
             _run_part(output, config, work, report)
         report.finish(str(output.path))
         return output.path
+
+
+def _column_keys(config: JobConfig) -> tuple[str | None, str | None, str | None]:
+    """The job keys that say where the data holds its prompts, and the system prompt."""
+    return config.prompt_field, config.messages_field, config.system_prompt
 
 
 def _models(config: JobConfig) -> str:
@@ -426,13 +435,15 @@ def _merge_parts(output: JsonlOutput, config: JobConfig, total: int | None = Non
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """A job's prompts, their token counts, the solver's call, and each response's token budget."""
+    """A job's prompts, their token counts, the solver's call, each response's token budget, and how a
+    prompt's result becomes its output record (`shape(index, result) -> record`)."""
 
-    prompts: list[str]
+    prompts: list[Any]
     lengths: list[int]
     solve: Solve
     prompts_per_call: int
     max_new_tokens: int
+    shape: Callable[[int, dict[str, Any]], dict[str, Any]]
 
 
 def _solve_into(output: JsonlOutput, pending: list[int], work: Work, report: Progress, done: int = 0) -> None:
@@ -448,8 +459,9 @@ def _solve_into(output: JsonlOutput, pending: list[int], work: Work, report: Pro
         for chunk in chunks(list(same_bucket), work.prompts_per_call)
     ]
 
-    def write(index: int, record: dict[str, Any]) -> None:
+    def write(index: int, result: dict[str, Any]) -> None:
         start = time.perf_counter()
+        record = work.shape(index, result)
         output.write(index, record)
         report.wrote(index, record, time.perf_counter() - start)
 
