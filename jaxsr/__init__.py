@@ -1,7 +1,7 @@
 """jaxsr: inference-time alignment decoding in JAX (Best-of-N, Speculative Rejection, speculative and
 contrastive decoding), and fine-tuning on their results (`jaxsr.training`)."""
 
-from jaxsr import sharding, training
+from jaxsr import data, rewards, sharding, training
 from jaxsr.decoding.api import (
     contrastive_decode,
     contrastive_decoder,
@@ -36,10 +36,12 @@ __all__ = [
     "best_of_n",
     "contrastive_decode",
     "contrastive_decoder",
+    "data",
     "generate",
     "load_encoder",
     "load_model",
     "load_reward_model",
+    "rewards",
     "save_model",
     "sharding",
     "speculative_contrastive_decode",

@@ -1,5 +1,5 @@
-"""The `jaxsr` command: `jaxsr run CONFIG.yaml [key=value ...]`, `jaxsr demo [--prompts K ...]`,
-`jaxsr train sft|distill CONFIG.yaml [key=value ...]`."""
+"""The `jaxsr` command: `jaxsr run CONFIG.yaml [key=value ...]`, `jaxsr report OUTPUT.jsonl`,
+`jaxsr demo [--prompts K ...]`, `jaxsr train sft|distill CONFIG.yaml [key=value ...]`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import jax
 from jaxsr.jobs.config import load_job_config
 from jaxsr.jobs.demo import run_demo
 from jaxsr.jobs.methods import build_solver
+from jaxsr.jobs.report import summarize, write_report
 from jaxsr.jobs.runner import run_job
 from jaxsr.loading.param_cache import cache_root
 from jaxsr.training import distill, load_distill_config, load_sft_config, sft
@@ -59,8 +60,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def run(config_path: str | None, overrides: list[str], progress: bool = True) -> Path:
+    """Run a job; process 0 then writes its report beside the output. Returns the output's path."""
     config = load_job_config(config_path, overrides)
-    return run_job(config, build_solver, progress=progress)
+    output = run_job(config, build_solver, progress=progress)
+    if jax.process_index() == 0:
+        print(f"report: {write_report(output)}", file=sys.stderr)
+    return output
+
+
+def report(output: str, directory: str | None) -> Path:
+    """Print a job output's summary table and write its report (plots and one HTML page)."""
+    print(summarize(output).table())
+    return write_report(output, directory)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     hosts.add_argument("--coordinator", help="host:port of process 0 (these three imply --distributed)")
     hosts.add_argument("--num-processes", type=int)
     hosts.add_argument("--process-id", type=int)
+    report_parser = commands.add_parser(
+        "report",
+        help="a job output's summary table, plots and one self-contained HTML page",
+        description="Prints the summary and the page's path; the plots and report.html go to --dir.",
+    )
+    report_parser.add_argument("output", help="a job's output JSONL")
+    report_parser.add_argument(
+        "--dir", metavar="DIR", help="where to write (default: OUTPUT's stem + .report/)"
+    )
     demo_parser = commands.add_parser(
         "demo",
         help="Best-of-N vs Speculative Rejection and SCD vs CD on a few prompts with the embedded models",
@@ -126,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.distributed or any(x is not None for x in joined):
                 join_processes(args.coordinator, args.num_processes, args.process_id)
             print(run(args.config, args.overrides, progress=not args.no_progress))
+        elif args.command == "report":
+            print(report(args.output, args.dir))
         elif args.command == "train":
             load, train = TRAINERS[args.stage][:2]
             print(train(load(args.config, args.overrides), progress=not args.no_progress))

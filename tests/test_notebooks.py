@@ -86,11 +86,9 @@ def test_every_notebook_has_the_same_install_cell():
 # What the notebooks use of jaxsr that jaxsr/__init__.py does not export (yet): the embedded models' file
 # paths, the bundled prompt sets, the self-likelihood reward.
 NOT_EXPORTED = {
-    "jaxsr.data",
     "jaxsr.loading.embedded",
     "jaxsr.loading.encoder",
     "jaxsr.loading.gguf",
-    "jaxsr.rewards.SelfLikelihood",
 }
 
 

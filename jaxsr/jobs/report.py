@@ -31,7 +31,7 @@ from matplotlib.axes import Axes
 from matplotlib.ticker import MaxNLocator
 
 from jaxsr.jobs.demo import plural, table
-from jaxsr.jobs.runner import _write_durably, job_file
+from jaxsr.jobs.runner import job_file, write_durably
 
 EXPECTED = "one JSON object per line with an integer `index` >= 0 and a `samples` list of sample objects"
 """What an output line must be, as error messages say it."""
@@ -173,7 +173,8 @@ class Summary:
         """Count one record in."""
         self.prompts += 1
         for key, value in record.get("provenance", {}).items():
-            self.header.setdefault(key, _text(value))
+            if value is not None and key not in SAMPLING_KEYS:  # sampling: one row of its own
+                self.header.setdefault(key, _text(value))
         best = record.get("best")
         if best is not None:
             self._add_best(best)
@@ -477,8 +478,8 @@ def write_report(output: str | Path, directory: str | Path | None = None) -> Pat
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for name, png in plots.items():
-            _write_durably(folder / f"{name}.png", [png])
-        _write_durably(folder / "report.html", [page(summary, plots).encode()])
+            write_durably(folder / f"{name}.png", [png])
+        write_durably(folder / "report.html", [page(summary, plots).encode()])
     except OSError as e:
         raise ValueError(f"{folder}: cannot write the report there ({e.strerror or e})") from None
     return folder / "report.html"

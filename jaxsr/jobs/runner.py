@@ -52,7 +52,7 @@ def job_file(output: Path) -> Path:
     return output.with_name(f"{output.stem}.job.json")
 
 
-def _write_durably(path: Path, pieces: Iterable[bytes]) -> None:
+def write_durably(path: Path, pieces: Iterable[bytes]) -> None:
     """Replace `path` by the concatenated `pieces` atomically: a kill leaves the old file or the new
     one, never a mix."""
     partial = path.with_name(path.name + ".partial")
@@ -195,7 +195,7 @@ class JsonlOutput:
         """Make the output bytes [start, end) of `source`, atomically and durably, copied in blocks."""
         with source.open("rb") as f:
             f.seek(start)
-            _write_durably(self.path, _blocks(f, end - start))
+            write_durably(self.path, _blocks(f, end - start))
         self._start, self._end = 0, end - start
 
     def _named_job(self) -> dict[str, Any]:
@@ -217,7 +217,7 @@ class JsonlOutput:
 
     def _write_job_file(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _write_durably(self.job_path, [(json.dumps(self.job, indent=1) + "\n").encode()])
+        write_durably(self.job_path, [(json.dumps(self.job, indent=1) + "\n").encode()])
 
     def write(self, index: int, record: dict[str, Any]) -> None:
         """Append one record; the job file is written with the first record (a job that fails before
@@ -249,7 +249,7 @@ class JsonlOutput:
         """Atomically (and durably) make the file the records `where` points to (prompt index → file,
         offset, length), in prompt order, read one at a time."""
         self._write_job_file()
-        _write_durably(self.path, _gathered(where))
+        write_durably(self.path, _gathered(where))
         self._start, self._end, self.done = 0, self.path.stat().st_size, set(where)
 
     def remove(self) -> None:
