@@ -130,6 +130,10 @@ def test_chat_dataset_jobs_store_scores_of_their_text(tmp_path, reward_dir):
             )
     assert rescored > 0  # the case that made stored scores differ from their text's is in the data
     assert any(r["rejected"] for r in sr) and all("decision" in x for r in sr for x in r["rejected"])
+    # `jaxsr run` ended with a report beside each output; `jaxsr report` prints the table and rewrites it
+    assert (tmp_path / "bon.report" / "report.html").stat().st_size > 0
+    assert main(["report", str(tmp_path / "sr.jsonl"), "--dir", str(tmp_path / "again")]) == 0
+    assert "rejected" in (tmp_path / "again" / "report.html").read_text()
 
 
 def test_columns_system_prompt_and_carried_fields(tmp_path):
