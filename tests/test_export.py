@@ -1,0 +1,308 @@
+"""`jaxsr.jobs.export`: a job's output as TRL's conversational SFT and preference sets. A real Best-of-N
+job's export loads with `datasets` in TRL's columns and TRL reads it as conversations; the pair rules,
+the carried fields and the refusals on hand-made records."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import hf_fixtures as H
+import pytest
+
+from jaxsr.jobs.config import JobConfig
+from jaxsr.jobs.export import PairRule, export, pick_pair, preference_row, sft_row
+from jaxsr.jobs.methods import build_solver
+from jaxsr.jobs.runner import run_job
+from jaxsr.text import as_messages
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+PROMPTS = ["Name a color.", "Say hi.", "Count to three.", CHAT]
+SFT_COLUMNS = ["messages", "id"]
+PREFERENCE_COLUMNS = ["prompt", "chosen", "rejected", "score_chosen", "score_rejected", "id"]
+
+
+def sample(text: str, score: float | None, finished: bool = True) -> dict:
+    return {"token_ids": [1], "text": text, "score": score, "finished": finished, "logprob": -1.0, "index": 0}
+
+
+def record(index: int, scores: list[float | None], prompt="Question?", **fields) -> dict:
+    """A record as a job writes it: a sample per score (text `s<i>`), `best` the highest scored."""
+    samples = [sample(f"s{i}", score) for i, score in enumerate(scores)]
+    scored = [s for s in samples if s["score"] is not None]
+    best = max(scored, key=lambda s: s["score"]) if scored else None
+    return {"index": index, "prompt": prompt, "samples": samples, "best": best, "stats": {}, **fields}
+
+
+def write_output(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def pair_of(scores: list[float | None], **rule) -> tuple[str, str] | str:
+    """(chosen text, rejected text) of a record with these scores, or why it gave no pair."""
+    row = preference_row(record(0, scores), PairRule(**rule))
+    return row if isinstance(row, str) else (row["chosen"][0]["content"], row["rejected"][0]["content"])
+
+
+@pytest.fixture(scope="module")
+def job_output(tmp_path_factory) -> Path:
+    """A Best-of-4 job's output (self-likelihood scores) over three text prompts and a conversation, each
+    with an `id`, on a tiny random Llama with a byte tokenizer and a ChatML template."""
+    root = tmp_path_factory.mktemp("export-job")
+    model = H.build_llama_with_tokenizer("LlamaForCausalLM", H.byte_tokenizer(), root / "model", 21)
+    data = root / "prompts.json"
+    data.write_text(json.dumps([{"prompt": p, "id": f"q{i}"} for i, p in enumerate(PROMPTS)]))
+    config = JobConfig(
+        method="best_of_n",
+        reward="self_likelihood",
+        n=4,
+        model=str(model),
+        data=str(data),
+        output=str(root / "out" / "job.jsonl"),
+        max_new_tokens=12,
+    )
+    return run_job(config, build_solver, progress=False)
+
+
+@pytest.fixture(scope="module")
+def exported(job_output, tmp_path_factory) -> tuple[Path, Path]:
+    """The job output's SFT and preference sets (best_vs_worst)."""
+    root = tmp_path_factory.mktemp("exported")
+    sets = export(job_output, sft=root / "sft.jsonl", preference=root / "pref.jsonl")
+    assert [(s.kind, s.records) for s in sets] == [("preference", 4), ("sft", 4)]
+    assert sets[1].rows == 4 and sets[1].skipped == {}
+    assert sets[1].summary() == f"sft: wrote 4 rows of 4 records to {root / 'sft.jsonl'}"
+    return root / "sft.jsonl", root / "pref.jsonl"
+
+
+# -- a real job's export ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_best_of_n_export_loads_with_datasets_in_trls_columns(job_output, exported):
+    import datasets
+
+    sft_path, preference_path = exported
+    sft = datasets.load_dataset("json", data_files=str(sft_path), split="train")
+    preference = datasets.load_dataset("json", data_files=str(preference_path), split="train")
+    assert sft.column_names == SFT_COLUMNS and preference.column_names == PREFERENCE_COLUMNS
+    records = {r["id"]: r for r in read_rows(job_output)}
+    assert sorted(sft["id"]) == sorted(preference["id"]) == ["q0", "q1", "q2", "q3"]
+    for row in sft:
+        conversation = as_messages(PROMPTS[int(row["id"][1:])])
+        best = records[row["id"]]["best"]
+        assert row["messages"] == [*conversation, {"role": "assistant", "content": best["text"]}]
+    for row in preference:  # four samples of random text: no tie
+        samples = records[row["id"]]["samples"]
+        scores = [s["score"] for s in samples]
+        assert row["prompt"] == as_messages(PROMPTS[int(row["id"][1:])])
+        assert (row["score_chosen"], row["score_rejected"]) == (max(scores), min(scores))
+        assert row["chosen"] == [{"role": "assistant", "content": samples[scores.index(max(scores))]["text"]}]
+        assert row["rejected"] == [
+            {"role": "assistant", "content": samples[scores.index(min(scores))]["text"]}
+        ]
+
+
+@pytest.mark.slow
+def test_trl_reads_both_sets_as_conversations_with_the_generators_prompt(exported):
+    """TRL takes the rows as conversational and renders them through SmolLM2's chat template; the prompt
+    it trains on is the text jaxsr's generator renders for that conversation."""
+    import transformers
+    from trl.data_utils import is_conversational, maybe_apply_chat_template
+
+    from jaxsr.loading.embedded import smollm2_draft_path
+    from jaxsr.text import render_chat
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_draft_path())
+    sft_path, preference_path = exported
+    for row in read_rows(sft_path):
+        assert is_conversational(row)
+        text = maybe_apply_chat_template(row, tokenizer)["text"]
+        assert text == render_chat(tokenizer, row["messages"], add_generation_prompt=False)
+        assert text.endswith(f"<|im_start|>assistant\n{row['messages'][-1]['content']}<|im_end|>\n")
+    for row in read_rows(preference_path):
+        assert is_conversational(row)
+        rendered = maybe_apply_chat_template(row, tokenizer)
+        assert rendered["prompt"] == render_chat(tokenizer, row["prompt"], add_generation_prompt=True)
+        assert rendered["chosen"] == row["chosen"][0]["content"] + "<|im_end|>\n"
+        assert rendered["rejected"] == row["rejected"][0]["content"] + "<|im_end|>\n"
+
+
+@pytest.mark.slow
+def test_best_vs_random_sets_are_a_function_of_the_seed(job_output, tmp_path):
+    def pairs(seed: int) -> list[tuple[str, str]]:
+        path = tmp_path / f"seed{seed}.jsonl"
+        export(job_output, preference=path, pairs="best_vs_random", seed=seed)
+        return [(row["chosen"][0]["content"], row["rejected"][0]["content"]) for row in read_rows(path)]
+
+    assert pairs(3) == pairs(3)
+    assert len({tuple(pairs(seed)) for seed in range(6)}) > 1
+
+
+# -- pair rules ------------------------------------------------------------------------------------
+def test_best_vs_worst_pairs_the_highest_and_lowest_scored_samples():
+    assert pair_of([0.5, 2.0, -1.0, 1.0]) == ("s1", "s2")
+    # unscored and non-finite scores are never paired
+    assert pair_of([None, 2.0, math.nan, 1.0, -math.inf]) == ("s1", "s3")
+    assert pair_of([1.0, 1.0, 0.0]) == ("s0", "s2")  # a tie for best: the first
+
+
+def test_best_vs_random_draws_every_other_sample_and_never_the_best():
+    scores = [0.0, 3.0, 1.0, 2.0]
+    rule = PairRule(pairs="best_vs_random", seed=7)
+    drawn = [
+        pick_pair([(s, sample(f"s{i}", s)) for i, s in enumerate(scores)], rule, index)
+        for index in range(200)
+    ]
+    assert {chosen[1]["text"] for chosen, _ in drawn} == {"s1"}
+    counts = {text: sum(r[1]["text"] == text for _, r in drawn) for text in ("s0", "s2", "s3")}
+    assert sum(counts.values()) == 200 and min(counts.values()) > 40  # about a third each
+    again = [pick_pair([(s, sample(f"s{i}", s)) for i, s in enumerate(scores)], rule, i) for i in range(200)]
+    assert [r[1]["text"] for _, r in again] == [r[1]["text"] for _, r in drawn]  # (seed, index) fixes it
+    other = PairRule(pairs="best_vs_random", seed=8)
+    changed = [
+        pick_pair([(s, sample(f"s{i}", s)) for i, s in enumerate(scores)], other, i) for i in range(200)
+    ]
+    assert [r[1]["text"] for _, r in changed] != [r[1]["text"] for _, r in drawn]
+
+
+def test_margins_ties_and_scoreless_records_give_no_pair():
+    assert pair_of([1.0, 1.0]) == "whose pair is a tie or under min_margin"
+    assert pair_of([1.0, 0.5], min_margin=0.5) == ("s0", "s1")  # a margin of min_margin is kept
+    assert pair_of([1.0, 0.5], min_margin=0.6) == "whose pair is a tie or under min_margin"
+    assert pair_of([1.0, None]) == "with one scored sample"
+    assert pair_of([None, None]) == "without a scored sample"
+
+
+def test_finished_only_pairs_and_learns_finished_responses_only():
+    unfinished_best = record(0, [3.0, 1.0, 0.0])
+    unfinished_best["samples"][0]["finished"] = False
+    unfinished_best["best"]["finished"] = False
+    row = preference_row(unfinished_best, PairRule(finished_only=True))
+    assert (row["chosen"][0]["content"], row["rejected"][0]["content"]) == ("s1", "s2")
+    assert preference_row(unfinished_best, PairRule())["chosen"][0]["content"] == "s0"
+    assert sft_row(unfinished_best, finished_only=True) == "whose best did not finish"
+    assert sft_row(unfinished_best, finished_only=False)["messages"][-1]["content"] == "s0"
+    unfinished_best["samples"][1]["finished"] = False
+    assert preference_row(unfinished_best, PairRule(finished_only=True)) == "with one scored sample"
+
+
+def test_prompts_become_conversations_and_input_fields_are_carried(tmp_path):
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Name a color."},
+    ]
+    # the job's own fields stay behind; an input field named like a column is kept as input_<name>
+    extra = {"provenance": {"job": "x"}, "rejected": [sample("cut", 0.1)], "chosen": "theirs"}
+    rows = [
+        record(0, [1.0, 0.0], prompt="Say hi.", id="a", source={"set": "hh"}, **extra),
+        record(1, [1.0, 0.0], prompt=conversation, id="b"),
+        record(2, [None, None], id="c"),  # a generate job's record: no best, no score
+    ]
+    output = write_output(tmp_path / "job.jsonl", rows)
+    sets = export(output, sft=tmp_path / "sft.jsonl", preference=tmp_path / "pref.jsonl")
+    assert [s.skipped for s in sets] == [{"without a scored sample": 1}, {"without a best": 1}]
+    sft, preference = read_rows(tmp_path / "sft.jsonl"), read_rows(tmp_path / "pref.jsonl")
+    assert sft[0] == {
+        "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "s0"}],
+        "id": "a",
+        "source": {"set": "hh"},
+        "input_chosen": "theirs",
+    }
+    assert sft[1] == {"messages": [*conversation, {"role": "assistant", "content": "s0"}], "id": "b"}
+    assert preference[1] == {
+        "prompt": conversation,
+        "chosen": [{"role": "assistant", "content": "s0"}],
+        "rejected": [{"role": "assistant", "content": "s1"}],
+        "score_chosen": 1.0,
+        "score_rejected": 0.0,
+        "id": "b",
+    }
+    assert preference[0]["prompt"] == [{"role": "user", "content": "Say hi."}]
+    assert preference[0]["chosen"] == [{"role": "assistant", "content": "s0"}]
+    assert (preference[0]["id"], preference[0]["input_chosen"]) == ("a", "theirs")
+    assert sets[0].summary().endswith("; skipped 1 record without a scored sample")
+
+
+def test_a_torn_last_line_is_left_out(tmp_path):
+    """A job still running (or killed) may end in a partial record: it is not exported."""
+    output = write_output(tmp_path / "job.jsonl", [record(0, [1.0, 0.0])])
+    with output.open("a") as f:
+        f.write(json.dumps(record(1, [1.0, 0.0]))[:30])
+    (written,) = export(output, sft=tmp_path / "sft.jsonl")
+    assert (written.records, written.rows) == (1, 1)
+
+
+# -- refusals --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ({}, "sft, preference: expected the path of at least one set"),
+        ({"sft": "sft.json"}, r"sft: expected a path ending in \.jsonl"),
+        ({"preference": "job.jsonl"}, "preference: .* is the job output being exported"),
+        ({"sft": "missing/sft.jsonl"}, "sft: the directory of .* does not exist"),
+        ({"sft": "same.jsonl", "preference": "same.jsonl"}, "sft, preference: both name"),
+        ({"sft": "sft.jsonl", "pairs": "best_vs_best"}, "pairs: expected one of"),
+        ({"sft": "sft.jsonl", "min_margin": -0.1}, "min_margin: expected a number >= 0"),
+        ({"sft": "sft.jsonl", "min_margin": math.nan}, "min_margin: expected a finite number"),
+        ({"sft": "sft.jsonl", "min_margin": "0.1"}, "min_margin: expected a number"),
+        ({"sft": "sft.jsonl", "seed": -1}, "seed: expected an int"),
+        ({"sft": "sft.jsonl", "finished_only": "yes"}, "finished_only: expected True or False"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them_before_anything_is_written(tmp_path, keys, message):
+    output = write_output(tmp_path / "job.jsonl", [record(0, [1.0, 0.0])])
+    paths = {k: tmp_path / v if k in ("sft", "preference") else v for k, v in keys.items()}
+    with pytest.raises((ValueError, TypeError), match=message):
+        export(output, **paths)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{oops", "line 2 of .*job.jsonl is not JSON"),
+        (json.dumps({"prompt": "x", "samples": []}), "line 2 of .*job.jsonl is not a jaxsr record"),
+        (json.dumps({**record(1, [1.0]), "samples": [{"score": 1.0}]}), "line 2 .* not a jaxsr record"),
+        (
+            json.dumps(record(1, [1.0], prompt=[1, 2, 3])),
+            "line 2 .*: prompt: expected a text or a conversation",
+        ),
+        (json.dumps(record(1, [1.0], prompt=[{"role": "assistant", "content": "x"}])), r"line 2 .*: prompt"),
+    ],
+)
+def test_a_line_that_is_no_jaxsr_record_is_refused_naming_file_and_line(tmp_path, line, message):
+    output = tmp_path / "job.jsonl"
+    output.write_text(json.dumps(record(0, [1.0, 0.0])) + "\n" + line + "\n")
+    (tmp_path / "sft.jsonl").write_text("an earlier export\n")
+    with pytest.raises(ValueError, match=f"output: {message}"):
+        export(output, sft=tmp_path / "sft.jsonl", preference=tmp_path / "pref.jsonl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.jsonl", "sft.jsonl"]  # no partial file
+    assert (tmp_path / "sft.jsonl").read_text() == "an earlier export\n"  # kept as it was
+
+
+def test_a_preference_set_of_an_output_without_scores_is_refused_before_anything_is_written(tmp_path):
+    """A `generate` job's records have no score and no best: neither set has a row."""
+    output = write_output(tmp_path / "job.jsonl", [record(i, [None, None]) for i in range(3)])
+    with pytest.raises(
+        ValueError, match=r"preference: no row from .*job\.jsonl \(3 records without a scored"
+    ):
+        export(output, sft=tmp_path / "sft.jsonl", preference=tmp_path / "pref.jsonl")
+    with pytest.raises(
+        ValueError, match=r"sft: no row .*\(3 records without a best\); expected records with a best"
+    ):
+        export(output, sft=tmp_path / "sft.jsonl")
+    with pytest.raises(ValueError, match=r"sft: no row .*\(no record\)"):
+        export(write_output(tmp_path / "job.jsonl", []), sft=tmp_path / "sft.jsonl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.jsonl"]
+
+
+def test_a_missing_output_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"output: .*nope\.jsonl is not a file"):
+        export(tmp_path / "nope.jsonl", sft=tmp_path / "sft.jsonl")
