@@ -23,6 +23,7 @@ from tiny import tiny_model
 import jaxsr
 from jaxsr.cli import main
 from jaxsr.decoding.inputs import encode_prompts
+from jaxsr.jobs.export import export
 from jaxsr.loading.safetensors import read_safetensors
 from jaxsr.training import SFTConfig, load_sft_config, sft
 from jaxsr.training.data import (
@@ -57,6 +58,20 @@ def records(prompts: int = 6) -> list[dict]:
 def write_results(path: Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+def sft_export(directory: Path, rows: list[dict]) -> str:
+    """The SFT export (`jaxsr export --sft`) of results records `rows`."""
+    export(write_results(directory / "results.jsonl", rows), sft=directory / "sft.jsonl")
+    return str(directory / "sft.jsonl")
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello"},
+    {"role": "user", "content": "Name a color."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +169,77 @@ def test_unreadable_results_are_refused_naming_the_line(tmp_path):
         read_results(path)
     path.write_text(json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"data: line 1 .* not a results record"):
+        read_results(path)
+
+
+def test_an_sft_export_gives_the_examples_its_results_give(checkpoint, tmp_path):
+    """A text prompt comes back from the export's user turn as that text: encoded as the generator
+    encoded it, with the chat template or without (chat=False)."""
+    model = jaxsr.load_model(checkpoint)
+    rows = records(3)
+    exported = select_responses(read_results(sft_export(tmp_path, rows)), "best")
+    direct = select_responses(rows, "best")
+    assert (
+        [prompt for prompt, _ in exported] == [prompt for prompt, _ in direct] == [r["prompt"] for r in rows]
+    )
+    for chat in (None, False):
+        from_export = tokenize_examples(model, exported, chat=chat, max_length=64)
+        from_results = tokenize_examples(model, direct, chat=chat, max_length=64)
+        assert len(from_export) == 3
+        for a, b in zip(from_export, from_results, strict=True):
+            assert a.prompt_length == b.prompt_length and a.tokens.tolist() == b.tokens.tolist()
+
+
+def test_a_conversation_of_an_sft_export_is_encoded_as_the_generator_sees_it(checkpoint, tmp_path):
+    model = jaxsr.load_model(checkpoint)
+    rows = records(1)
+    rows[0]["prompt"] = CONVERSATION
+    [(prompt, response)] = select_responses(read_results(sft_export(tmp_path, rows)), "best")
+    assert prompt == CONVERSATION and response["text"] == rows[0]["best"]["text"]
+    [example] = tokenize_examples(model, [(prompt, response)], chat=None, max_length=128)
+    expected = encode_prompts(model, [CONVERSATION])[0]
+    assert model.tokenizer.decode(expected).startswith("<|im_start|>system\nBe brief.")
+    assert example.tokens[: example.prompt_length].tolist() == expected
+    eos = model.eos_token_ids[0]
+    assert example.tokens[example.prompt_length :].tolist() == [
+        *model.tokenizer.encode(response["text"]),
+        eos,
+    ]
+
+
+def test_an_sft_export_is_learnt_with_select_best_only(tmp_path):
+    data = sft_export(tmp_path, records(2))
+    with pytest.raises(
+        ValueError, match=r"select: select=top_k chooses among scored samples.* use select=best"
+    ):
+        select_responses(read_results(data), "top_k", k=2)
+    config = SFTConfig(
+        model=str(tmp_path / "no-such-model"), data=data, output_dir=str(tmp_path / "o"), select="top_k", k=2
+    )
+    with pytest.raises(ValueError, match="select: select=top_k"):
+        sft(config)  # refused before the model loads
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ("Hi", "messages: expected a conversation ending in an assistant turn"),
+        ([], "messages: expected a conversation ending in an assistant turn"),
+        (CONVERSATION, "messages: expected a conversation ending in an assistant turn"),
+        ([{"role": "assistant", "content": "x"}], "messages: expected a list of"),
+        (
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": 3}],
+            "messages: expected a conversation ending in an assistant turn",
+        ),
+        ([{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}], r"messages\[0\]: role"),
+    ],
+)
+def test_a_malformed_sft_row_is_refused_naming_the_line(tmp_path, messages, message):
+    path = tmp_path / "sft.jsonl"
+    good = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(ValueError, match=f"data: line 2 of .*sft.jsonl: {message}"):
         read_results(path)
 
 
@@ -343,6 +429,19 @@ def test_the_exported_model_matches_in_transformers(checkpoint, trained):
     difference = np.abs(ours[real] - theirs[real]).max()
     print(f"jaxsr vs transformers logits of the fine-tuned model: max |diff| {difference:.2e}")
     assert difference < 1e-4
+
+
+@pytest.mark.slow
+def test_a_run_on_an_sft_export(checkpoint, tmp_path):
+    """`jaxsr train sft` with an SFT export as its data: its rows are the examples."""
+    rows = records()
+    rows[0]["prompt"] = CONVERSATION
+    data = sft_export(tmp_path, rows)
+    config = run_config(checkpoint, data, tmp_path / "run", steps=4, save_every=4, max_length=128)
+    final = sft(config, progress=False)
+    report = json.loads((final.parent / "sft.json").read_text())
+    assert report["data"]["examples"] == len(rows) and (final / "model.safetensors").exists()
+    assert np.isfinite(report["history"][-1]["loss"])
 
 
 @pytest.mark.slow

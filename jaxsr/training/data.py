@@ -1,9 +1,12 @@
-"""Fine-tuning examples from a results JSONL (`jaxsr run`'s output), and their batches.
+"""Fine-tuning examples from a results JSONL (`jaxsr run`'s output) or an SFT export (`jaxsr export
+--sft`), and their batches.
 
-Each record holds a prompt and its scored samples; a selection rule picks the responses to learn from.
-An example is the prompt as the generator saw it (through the chat template when the model has one,
-the same encoding inference uses) followed by the response's tokens and, when the response ended on its
-own, the end-of-sequence token. Only response tokens are targets.
+Each results record holds a prompt and its scored samples; a selection rule picks the responses to learn
+from. Each SFT-export row is a conversation ending in the response to learn (`select=best` takes it; the
+rules that choose by score refuse it: it has no score). An example is the prompt as the generator saw it
+(through the chat template when the model has one, the same encoding inference uses) followed by the
+response's tokens and, when the response ended on its own, the end-of-sequence token. Only response
+tokens are targets.
 
 Batches are drawn from an endless stream of epochs, each a permutation fixed by (seed, epoch), so the
 batch of any step is a pure function of the seed and the step's position in the stream: a resumed run
@@ -24,7 +27,7 @@ import numpy as np
 from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.ladder import fine_bucket
 from jaxsr.models.model import Model
-from jaxsr.text import encode, left_pad
+from jaxsr.text import check_conversation, encode, left_pad
 
 SELECTIONS = ("best", "top_k", "threshold")
 MIN_LENGTH = 16
@@ -40,7 +43,8 @@ class Example:
 
 
 def read_results(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a results JSONL: objects with a `prompt` and a list of `samples`."""
+    """The records of a results JSONL (objects with a `prompt` and a list of `samples`) or the rows of an
+    SFT export (objects with `messages`, a conversation ending in an assistant turn)."""
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
@@ -51,14 +55,47 @@ def read_results(path: str | Path) -> list[dict[str, Any]]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"data: line {number} of {path}"
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, RecursionError):
-            raise ValueError(f"data: line {number} of {path} is not JSON") from None
-        if not (isinstance(record, dict) and "prompt" in record and isinstance(record.get("samples"), list)):
-            raise ValueError(f"data: line {number} of {path} is not a results record (prompt, samples)")
+            raise ValueError(f"{where} is not JSON") from None
+        if isinstance(record, dict) and "messages" in record:
+            _check_sft_row(record["messages"], where)
+        elif not (
+            isinstance(record, dict) and "prompt" in record and isinstance(record.get("samples"), list)
+        ):
+            raise ValueError(f"{where} is not a results record (prompt, samples) nor an SFT row (messages)")
         records.append(record)
     return records
+
+
+def _check_sft_row(messages: Any, where: str) -> None:
+    """An SFT row's `messages`: a conversation to answer, then the assistant's answer."""
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    if not (
+        isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str)
+    ):
+        raise ValueError(f"{where}: messages: expected a conversation ending in an assistant turn")
+    try:
+        check_conversation(f"{where}: messages", messages[:-1])
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+
+
+def exported_response(messages: list[dict[str, str]], select: str) -> tuple[Any, dict[str, Any]]:
+    """(prompt, response) of an SFT-export row: the conversation before the last turn (a lone user turn
+    as the text prompt it was exported from, so it is encoded as the generator encoded it, chat template
+    or not) and that turn's text, a finished response (a chat turn is complete: it ends on EOS)."""
+    if select != "best":
+        raise ValueError(
+            f"select: select={select} chooses among scored samples, but the data holds SFT-export rows "
+            "(messages), one unscored response each; use select=best"
+        )
+    prompt: Any = messages[:-1]
+    if len(prompt) == 1 and prompt[0]["role"] == "user":
+        prompt = prompt[0]["content"]
+    return prompt, {"text": messages[-1]["content"], "finished": True}
 
 
 def _score(sample: dict[str, Any]) -> float | None:
@@ -71,11 +108,14 @@ def select_responses(
 ) -> list[tuple[Any, dict[str, Any]]]:
     """(prompt, sample) pairs to learn from: each record's `best` (or its highest-scored sample), its
     `k` highest-scored samples, or every sample scored at least `threshold`. Unscored samples are
-    never chosen by score."""
+    never chosen by score. An SFT-export row gives its response (`exported_response`)."""
     if select not in SELECTIONS:
         raise ValueError(f"select: expected one of {SELECTIONS}, got {select!r}")
     pairs = []
     for record in records:
+        if "messages" in record:
+            pairs.append(exported_response(record["messages"], select))
+            continue
         scored = sorted(
             (s for s in record["samples"] if isinstance(s, dict) and _score(s) is not None),
             key=lambda s: -_score(s),
