@@ -1,4 +1,5 @@
 """The `jaxsr` command: `jaxsr run CONFIG.yaml [key=value ...]`, `jaxsr report OUTPUT.jsonl`,
+`jaxsr export OUTPUT.jsonl --sft PATH --preference PATH`,
 `jaxsr demo [--prompts K ...]`, `jaxsr train sft|distill CONFIG.yaml [key=value ...]`."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import jax
 
 from jaxsr.jobs.config import load_job_config
 from jaxsr.jobs.demo import run_demo
+from jaxsr.jobs.export import PAIRS, export
 from jaxsr.jobs.methods import build_solver
 from jaxsr.jobs.report import summarize, write_report
 from jaxsr.jobs.runner import run_job
@@ -97,6 +99,36 @@ def main(argv: list[str] | None = None) -> int:
     report_parser.add_argument(
         "--dir", metavar="DIR", help="where to write (default: OUTPUT's stem + .report/)"
     )
+    export_parser = commands.add_parser(
+        "export",
+        help="SFT and preference sets (TRL's conversational layouts) from a job's output",
+        description="Prints what each set got. A set with no row is refused and nothing is written.",
+    )
+    export_parser.add_argument("output", help="a job's output JSONL")
+    export_parser.add_argument(
+        "--sft", metavar="PATH", help="write each prompt's conversation and best response (`messages`)"
+    )
+    export_parser.add_argument(
+        "--preference", metavar="PATH", help="write `prompt` / `chosen` / `rejected` pairs, with their scores"
+    )
+    export_parser.add_argument(
+        "--pairs",
+        choices=PAIRS,
+        default=PAIRS[0],
+        help="the best against the worst (default) or another at random",
+    )
+    export_parser.add_argument(
+        "--min-margin",
+        type=float,
+        default=0.0,
+        help="keep pairs whose score margin is at least this (and > 0)",
+    )
+    export_parser.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="only responses that ended on their own (not at the limit)",
+    )
+    export_parser.add_argument("--seed", type=int, default=0, help="best_vs_random's draws (default 0)")
     demo_parser = commands.add_parser(
         "demo",
         help="Best-of-N vs Speculative Rejection and SCD vs CD on a few prompts with the embedded models",
@@ -134,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_parser.add_argument("overrides", nargs="*", metavar="key=value")
         stage_parser.add_argument("--no-progress", action="store_true")
     args, extra = parser.parse_known_args(argv)
-    unknown = [i for i in extra if args.command == "demo" or "=" not in i or i.startswith("-")]
+    unknown = [i for i in extra if args.command not in ("run", "train") or "=" not in i or i.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in ("run", "train"):
@@ -146,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.distributed or any(x is not None for x in joined):
                 join_processes(args.coordinator, args.num_processes, args.process_id)
             print(run(args.config, args.overrides, progress=not args.no_progress))
+        elif args.command == "export":
+            for written in export(
+                args.output, sft=args.sft, preference=args.preference, pairs=args.pairs,
+                min_margin=args.min_margin, finished_only=args.finished_only, seed=args.seed,
+            ):  # fmt: skip
+                print(written.summary())
         elif args.command == "report":
             print(report(args.output, args.dir))
         elif args.command == "train":

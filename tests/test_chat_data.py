@@ -134,6 +134,15 @@ def test_chat_dataset_jobs_store_scores_of_their_text(tmp_path, reward_dir):
     assert (tmp_path / "bon.report" / "report.html").stat().st_size > 0
     assert main(["report", str(tmp_path / "sr.jsonl"), "--dir", str(tmp_path / "again")]) == 0
     assert "rejected" in (tmp_path / "again" / "report.html").read_text()
+    # `jaxsr export`: TRL's conversational layouts, the conversation kept as it was, the ids carried
+    sft, pairs = tmp_path / "sft.jsonl", tmp_path / "pairs.jsonl"
+    assert main(["export", str(tmp_path / "bon.jsonl"), "--sft", str(sft), "--preference", str(pairs)]) == 0
+    for row in map(json.loads, pairs.read_text().splitlines()):
+        k = int(row["id"].split("-")[1])
+        assert row["prompt"] == CONVERSATIONS[k] and row["score_chosen"] > row["score_rejected"]
+    for row in map(json.loads, sft.read_text().splitlines()):
+        k = int(row["id"].split("-")[1])
+        assert row["messages"][:-1] == CONVERSATIONS[k] and row["messages"][-1]["role"] == "assistant"
 
 
 def test_columns_system_prompt_and_carried_fields(tmp_path):
