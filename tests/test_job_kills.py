@@ -158,5 +158,5 @@ def test_five_kills_at_random_moments_then_resume_give_the_uninterrupted_records
     assert_same_records(records, expected)
     # nothing left behind: no torn line, lock, part or .partial file
     assert output.read_bytes().endswith(b"\n")
-    assert sorted(p.name for p in output.parent.iterdir()) == ["job.job.json", "job.jsonl"]
+    assert sorted(p.name for p in output.parent.iterdir()) == ["job.job.json", "job.jsonl", "job.report"]
     print(f"a record: {record:.3f} s; kills (trigger, records at the kill, torn line): {kills}")

@@ -99,9 +99,6 @@ class Branching:
     def stats(self):
         return {}
 
-    def rejected(self):
-        return None
-
 
 def test_a_search_that_branches_gives_each_child_a_stream_of_its_own():
     """A row kept twice is copied with its cache (no prefill again): the copy that keeps the parent's

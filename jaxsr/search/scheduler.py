@@ -5,8 +5,8 @@ shared by every row. It runs in rounds: decode until the rows pause, score the l
 responses, and let the method's `Policy` decide which rows continue and in what batch; the survivors
 are gathered there (never re-prefilled; a row kept twice branches, each copy with a sample index and
 so a random stream of its own). A new search method is a `Policy` (its first batch, where a round
-pauses, what a decision keeps, what the search returns): Speculative Rejection's is
-`speculative_rejection.Rejection`.
+pauses, what a decision keeps, what the search returns; optionally the responses it stopped):
+Speculative Rejection's is `speculative_rejection.Rejection`.
 
 `run_searches` keeps up to `concurrent` searches in flight. Every round, the searches whose next round
 has the same shapes (rows, row-cache slots, prompt slots) are stacked into one decode state — rows
@@ -98,9 +98,12 @@ class Policy(Protocol):
         """The policy's own entries of `Result.stats`."""
         ...
 
-    def rejected(self) -> list[Rejected] | None:
-        """The responses the search stopped, if the policy keeps them (`Result.rejected`)."""
-        ...
+
+def stopped_by(policy: Policy) -> list[Rejected] | None:
+    """The responses a policy's decisions stopped, where it keeps them: its optional `rejected()`
+    (`Result.rejected`; None for a policy without it)."""
+    rejected = getattr(policy, "rejected", None)
+    return None if rejected is None else rejected()
 
 
 @dataclasses.dataclass
@@ -277,7 +280,7 @@ class PromptSearch:
     def _finish(self) -> None:
         self.final = self.policy.final(self.samples)
         self.finished, self._state, self._caches, self._host = True, None, (), None  # free the caches
-        self.rejected = self.policy.rejected()
+        self.rejected = stopped_by(self.policy)
         if self.scorer is not None:  # scored from their ids: what is stored must be their text's reward
             self._true_to_text()
 
