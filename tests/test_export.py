@@ -267,7 +267,7 @@ def test_bad_arguments_are_refused_naming_them_before_anything_is_written(tmp_pa
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("{oops", "line 2 of .*job.jsonl is not JSON"),
+        ("{oops", r"line 2 of .*job.jsonl is not a jaxsr record \(not a JSON object\)"),
         (json.dumps({"prompt": "x", "samples": []}), "line 2 of .*job.jsonl is not a jaxsr record"),
         (json.dumps({**record(1, [1.0]), "samples": [{"score": 1.0}]}), "line 2 .* not a jaxsr record"),
         (

@@ -188,17 +188,24 @@ def test_report_directory_is_chosen_and_rewritten_whole(output, tmp_path):
         ('{"samples": []}', "no integer `index` >= 0"),
         ('{"index": -1, "samples": []}', "no integer `index` >= 0"),
         ('{"index": true, "samples": []}', "no integer `index` >= 0"),
-        ('{"index": 0}', "no `samples` list of objects"),
-        ('{"index": 0, "samples": [1]}', "no `samples` list of objects"),
-        ('{"index": 0, "samples": [], "best": 3}', "`best` is neither an object nor null"),
-        ('{"index": 0, "samples": [{"score": "high"}]}', "a score is 'high', not a number"),
-        ('{"index": 0, "samples": [], "stats": []}', "`stats` is not an object"),
+        ('{"index": 0, "samples": []}', "no `prompt`"),
+        ('{"index": 0, "prompt": "p"}', "no `samples` list of objects"),
+        ('{"index": 0, "prompt": "p", "samples": [1]}', "no `samples` list of objects"),
+        ('{"index": 0, "prompt": "p", "samples": [], "best": 3}', "`best` is neither an object nor null"),
+        ('{"index": 0, "prompt": "p", "samples": [{"score": 1.0}]}', "a sample has no `text`"),
+        (
+            '{"index": 0, "prompt": "p", "samples": [{"text": "t", "score": "high"}]}',
+            "a score is 'high', not a number",
+        ),
+        ('{"index": 0, "prompt": "p", "samples": [], "stats": []}', "`stats` is not an object"),
     ],
 )
 def test_a_line_that_is_not_a_record_is_named(output, line, problem):
     good = json.dumps(RECORDS[0])
     output.write_text(f"{good}\n{line}\n{good}\n")
-    message = f"{output}: line 2 is not a jaxsr record ({problem}); expected one JSON object per line"
+    message = (
+        f"output: line 2 of {output} is not a jaxsr record ({problem}); expected one JSON object per line"
+    )
     with pytest.raises(ValueError, match=re.escape(message)):
         write_report(output)
     assert not report_directory(output).exists()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxsr.checks import check_bool, check_number, check_seed
-from jaxsr.jobs.records import OWN_FIELDS
+from jaxsr.jobs.records import OWN_FIELDS, finite, read_output
 from jaxsr.jobs.runner import complete_end, write_durably
 from jaxsr.text import as_messages, check_conversation
 
@@ -64,14 +63,11 @@ class Source:
     end: int
 
     def records(self) -> Iterator[Row]:
-        """The records, a line at a time, each checked."""
-        with self.path.open("rb") as f:
-            offset = 0
-            for number, line in enumerate(f, 1):
-                offset += len(line)
-                if offset > self.end:
-                    return
-                yield _check_record(line, number, self.path)
+        """The records, a line at a time, each checked (`records.read_output`, and a prompt that is a
+        text or a conversation)."""
+        for number, record in read_output(self.path, self.end):
+            _check_prompt(record["prompt"], f"output: line {number} of {self.path}")
+            yield record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,47 +166,19 @@ def _check_rule(pairs: str, min_margin: float, finished_only: bool, seed: int) -
 
 
 # -- reading ---------------------------------------------------------------------------------------
-def _check_record(line: bytes, number: int, path: Path) -> Row:
-    """A record line parsed; one that is no jaxsr record is refused naming the file and line."""
-    where = f"output: line {number} of {path}"
+def _check_prompt(prompt: Any, where: str) -> None:
+    """A record's prompt must be a text or a conversation (it is exported as messages)."""
+    if isinstance(prompt, str) and prompt.strip():
+        return
     try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise ValueError(f"{where} is not JSON") from None
-    if not _is_record(record):
-        raise ValueError(f"{where} is not a jaxsr record (index, prompt, samples with texts, best)")
-    if not isinstance(record["prompt"], str) or not record["prompt"].strip():
-        try:
-            check_conversation(f"{where}: prompt", record["prompt"])
-        except TypeError:
-            raise ValueError(f"{where}: prompt: expected a text or a conversation") from None
-    return record
-
-
-def _is_record(record: Any) -> bool:
-    """Whether `record` has a prompt index, a prompt, a list of samples and a best (or null)."""
-    return (
-        isinstance(record, dict)
-        and isinstance(record.get("index"), int)
-        and not isinstance(record["index"], bool)
-        and record["index"] >= 0
-        and "prompt" in record
-        and isinstance(record.get("samples"), list)
-        and all(_is_sample(s) for s in record["samples"])
-        and (record.get("best") is None or _is_sample(record["best"]))
-    )
-
-
-def _is_sample(sample: Any) -> bool:
-    return isinstance(sample, dict) and isinstance(sample.get("text"), str)
+        check_conversation(f"{where}: prompt", prompt)
+    except TypeError:
+        raise ValueError(f"{where}: prompt: expected a text or a conversation") from None
 
 
 def score_of(sample: Row) -> float | None:
     """A sample's score, None when it has none that orders (absent, null or not finite)."""
-    score = sample.get("score")
-    if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
-        return None
-    return float(score)
+    return finite(sample.get("score"))
 
 
 # -- rows ------------------------------------------------------------------------------------------

@@ -9,6 +9,10 @@ concatenated or published without their job file. An input field named like one 
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from jaxsr.jobs.config import PLACEMENT_KEYS, JobConfig
@@ -53,3 +57,64 @@ def output_record(
 
 def _without_ids(sample: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in sample.items() if key != "token_ids"}
+
+
+EXPECTED = (
+    "one JSON object per line with an integer `index` >= 0, a `prompt`, and a `samples` list of samples "
+    "(objects with a `text`)"
+)
+
+
+def read_output(path: Path, end: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) of each record of a job output, read a line at a time (up to byte `end`,
+    where a job still appending has its last complete line); a line that is no record is refused
+    naming the file, the line and what is wrong."""
+    with path.open("rb") as f:
+        offset = 0
+        for number, line in enumerate(f, 1):
+            offset += len(line)
+            if end is not None and offset > end:
+                return
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):  # ValueError: bad JSON or bad UTF-8
+                record = None
+            problem = record_problem(record)
+            if problem:
+                raise ValueError(
+                    f"output: line {number} of {path} is not a jaxsr record ({problem}); expected {EXPECTED}"
+                )
+            yield number, record
+
+
+def record_problem(record: Any) -> str | None:
+    """What makes `record` no jaxsr output record (None when it is one)."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    index = record.get("index")
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        return "no integer `index` >= 0"
+    if "prompt" not in record:
+        return "no `prompt`"
+    samples, best = record.get("samples"), record.get("best")
+    if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
+        return "no `samples` list of objects"
+    if best is not None and not isinstance(best, dict):
+        return "`best` is neither an object nor null"
+    for sample in [*samples, *([best] if best else [])]:
+        if not isinstance(sample.get("text"), str):
+            return "a sample has no `text`"
+        score = sample.get("score")
+        if score is not None and (isinstance(score, bool) or not isinstance(score, int | float)):
+            return f"a score is {score!r}, not a number"
+    for field in ("stats", "provenance"):
+        if not isinstance(record.get(field, {}), dict):
+            return f"`{field}` is not an object"
+    return None
+
+
+def finite(value: Any) -> float | None:
+    """`value` as a float when it is a finite JSON number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)

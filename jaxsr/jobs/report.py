@@ -31,9 +31,9 @@ from matplotlib.axes import Axes
 from matplotlib.ticker import MaxNLocator
 
 from jaxsr.jobs.demo import plural, table
+from jaxsr.jobs.records import EXPECTED, finite, read_output
 from jaxsr.jobs.runner import job_file, write_durably
 
-EXPECTED = "one JSON object per line with an integer `index` >= 0 and a `samples` list of sample objects"
 """What an output line must be, as error messages say it."""
 JOB_KEYS = ("method", "model", "draft", "decoder", "reward", "n", "data", "max_new_tokens")
 """Job-file config keys the report's header shows (those set)."""
@@ -187,7 +187,7 @@ class Summary:
         self._add_stats(record)
 
     def _add_best(self, best: dict[str, Any]) -> None:
-        if _number(best.get("score")) is not None:
+        if finite(best.get("score")) is not None:
             self.best_scores.append(best["score"])
         if isinstance(best.get("finished"), bool):
             self.best_finished.add(best["finished"])
@@ -203,9 +203,9 @@ class Summary:
     def _add_stats(self, record: dict[str, Any]) -> None:
         stats = record.get("stats", {})
         for key, value in stats.items():
-            if key.endswith("_s") and _number(value) is not None:
+            if key.endswith("_s") and finite(value) is not None:
                 self.seconds[key] = self.seconds.get(key, 0.0) + value
-        if isinstance(stats.get("batch_sizes"), list) and _number(stats.get("rounds")) is not None:
+        if isinstance(stats.get("batch_sizes"), list) and finite(stats.get("rounds")) is not None:
             self.sr = self.sr or Rounds()
             self.sr.add(record)
 
@@ -260,43 +260,10 @@ def summarize(output: str | Path) -> Summary:
 def _records(path: Path) -> Iterator[dict[str, Any]]:
     """The output's records, each checked, read one line at a time."""
     try:
-        with path.open("rb") as f:
-            for number, line in enumerate(f, 1):
-                try:
-                    record = json.loads(line)
-                except (ValueError, RecursionError):
-                    record = None
-                problem = _problem(record)
-                if problem:
-                    raise ValueError(
-                        f"{path}: line {number} is not a jaxsr record ({problem}); expected {EXPECTED}"
-                    )
-                yield record
+        for _, record in read_output(path):
+            yield record
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
-def _problem(record: Any) -> str | None:
-    """What makes `record` no jaxsr record (None when it is one)."""
-    if not isinstance(record, dict):
-        return "not a JSON object"
-    index = record.get("index")
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        return "no integer `index` >= 0"
-    samples = record.get("samples")
-    if not isinstance(samples, list) or not all(isinstance(s, dict) for s in samples):
-        return "no `samples` list of objects"
-    best = record.get("best")
-    if best is not None and not isinstance(best, dict):
-        return "`best` is neither an object nor null"
-    for sample in [*samples, *([best] if best else [])]:
-        score = sample.get("score")
-        if score is not None and (isinstance(score, bool) or not isinstance(score, int | float)):
-            return f"a score is {score!r}, not a number"
-    for field in ("stats", "provenance"):
-        if not isinstance(record.get(field, {}), dict):
-            return f"`{field}` is not an object"
-    return None
 
 
 def _job_header(path: Path) -> dict[str, str]:
@@ -319,16 +286,9 @@ def _job_header(path: Path) -> dict[str, str]:
     return header
 
 
-def _number(value: Any) -> float | None:
-    """`value` when it is a finite JSON number (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return value
-
-
 def _numbers(values: Iterable[Any]) -> list[float]:
     """The finite numbers among `values`."""
-    return [v for v in values if _number(v) is not None]
+    return [v for v in values if finite(v) is not None]
 
 
 def _text(value: Any) -> str:
