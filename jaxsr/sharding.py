@@ -169,8 +169,23 @@ def shard_model(model: T, mesh: Mesh) -> T:
         raise TypeError("mesh: expected a jax.sharding.Mesh, got None")
 
     def place(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
-        # the parameter's path in the module: dict keys and list indices (not the `.value` attribute)
-        names = [str(getattr(p, "key", getattr(p, "idx", ""))) for p in path if not hasattr(p, "name")]
-        return jax.device_put(x, param_sharding(names, x.shape, mesh))
+        return jax.device_put(x, param_sharding(_param_names(path), x.shape, mesh))
 
     return dataclasses.replace(model, params=jax.tree.map_with_path(place, model.params), mesh=mesh)
+
+
+def _param_names(path: tuple[Any, ...]) -> list[str]:
+    """A parameter's path in its module's state: dict keys and list indices (not the `.value` attribute)."""
+    return [str(getattr(p, "key", getattr(p, "idx", ""))) for p in path if not hasattr(p, "name")]
+
+
+def abstract_params(params: T, mesh: Mesh) -> T:
+    """`params` (a module's state of arrays or shapes) as `jax.ShapeDtypeStruct`s carrying the
+    shardings `shard_model` would place them with on `mesh`: nothing is allocated (`jaxsr.plans`)."""
+
+    def place(path: tuple[Any, ...], x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=param_sharding(_param_names(path), x.shape, mesh)
+        )
+
+    return jax.tree.map_with_path(place, params)

@@ -113,8 +113,15 @@ def _read_checkpoint(
     return hf_config, config, SafetensorsCheckpoint(path), load_tokenizer(path)
 
 
-def _decoder(config: DecoderConfig, dtype: str) -> Callable[[], Decoder]:
+def decoder_factory(config: DecoderConfig, dtype: str) -> Callable[[], Decoder]:
+    """What builds the decoder module of `config` (a real load fills its abstract state, a plan keeps it
+    abstract: `jaxsr.plans`)."""
     return lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0))
+
+
+def model_class(config: DecoderConfig) -> type[Model]:
+    """`RewardModel` for a *ForSequenceClassification config, else `Model`."""
+    return RewardModel if config.is_reward_model else Model
 
 
 def _restore_cached(
@@ -132,7 +139,7 @@ def _restore_cached(
         except ValueError as e:
             entry.discard()
             raise param_cache.CacheError(f"{entry.path}: the stored config is not a decoder's ({e})") from e
-        graph, params = entry.restore(_decoder(config, dtype), dtype, mesh)
+        graph, params = entry.restore(decoder_factory(config, dtype), dtype, mesh)
         tokenizer = entry.tokenizer() if is_gguf else load_tokenizer(path)
     except param_cache.CacheError as e:
         warnings.warn(f"jaxsr: rebuilding the parameter cache: {e}", stacklevel=4)
@@ -155,9 +162,8 @@ def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | Non
         arrays = with_file(path, convert_hf_tensors, config, tensors)
         if cache:
             param_cache.store(path, hf_config, arrays, tokenizer if is_gguf else None)
-        graph, params = place_params(_decoder(config, dtype), arrays, dtype, mesh)
-    cls = RewardModel if config.is_reward_model else Model
-    return cls(
+        graph, params = place_params(decoder_factory(config, dtype), arrays, dtype, mesh)
+    return model_class(config)(
         config=config,
         graph=graph,
         params=params,

@@ -1,0 +1,107 @@
+"""Accelerators a plan compiles for without owning one: TPU slices, their chips' datasheet figures, and
+their devices from libtpu's topology descriptions (`pip install jaxsr[plan]`).
+
+A target is named as Google Cloud names the slice (`v5e-8`: v5e and v6e count chips, v5p and v4
+count TensorCores, two per chip). Its devices are descriptions only: programs compile for them, nothing
+runs on them, and the process's own backend stays what it was (e.g. `JAX_PLATFORMS=cpu`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax.sharding import Mesh
+
+from jaxsr.sharding import make_mesh
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator chip's figures (per chip; a v4/v5p chip's two TensorCores act as one device)."""
+
+    kind: str
+    """libtpu's topology prefix (`v5e` in `v5e:2x4`)."""
+    hbm_bytes: int
+    """High-bandwidth memory on the datasheet."""
+    usable_bytes: int
+    """What XLA lets one program use: the capacity libtpu 0.0.42 names when it refuses a program."""
+    bf16_flops: float
+    """Peak dense bf16 FLOP/s."""
+    hbm_bytes_per_s: float
+    """Peak HBM bandwidth."""
+    chip_config: str | None = None
+    """libtpu's `chip_config_name` (v4: its TensorCores fused as one device, `megacore`)."""
+    cores_per_chip: int = 1
+    """TensorCores the slice name counts per chip."""
+
+
+CHIPS: dict[str, Chip] = {
+    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16, "HBM2 capacity and bandwidth 16 GB, 819 GBps"
+    "v5e": Chip("v5e", 16 * GIB, int(15.75 * GIB), 197e12, 819e9),
+    # https://cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16, HBM 32 GB per chip, 1640 GBps
+    "v6e": Chip("v6e", 32 * GIB, int(31.25 * GIB), 918e12, 1640e9),
+    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16, HBM2e 95 GB per chip, 2765 GBps
+    "v5p": Chip("v5p", 95 * GIB, int(95.74 * GIB), 459e12, 2765e9, cores_per_chip=2),
+    # https://cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16, HBM2 32 GiB per chip, 1200 GBps
+    "v4": Chip("v4", 32 * GIB, int(30.75 * GIB), 275e12, 1200e9, "megacore", cores_per_chip=2),
+}
+"""Datasheet figures from the Google Cloud TPU docs' system-architecture pages (URL beside each);
+`usable_bytes` as libtpu 0.0.42's out-of-memory refusals state it."""
+
+TOPOLOGIES: dict[str, dict[int, str]] = {
+    "v5e": {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"},
+    "v6e": {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"},
+    "v5p": {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"},
+    "v4": {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"},
+}
+"""Chips of each slice libtpu describes → its topology (a 2D torus for v5e/v6e, 3D for v5p/v4)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A slice of `chips` chips of one kind, e.g. `v5e-8`."""
+
+    name: str
+    chip: Chip
+    chips: int
+
+    @property
+    def topology(self) -> str:
+        """libtpu's topology name, e.g. `v5e:2x4`."""
+        return f"{self.chip.kind}:{TOPOLOGIES[self.chip.kind][self.chips]}"
+
+
+def target(name: str) -> Target:
+    """The slice a Cloud TPU name (`v5e-8`, `v6e-16`, `v5p-8`, `v4-8`) stands for."""
+    kind, _, count = str(name).partition("-")
+    chip = CHIPS.get(kind)
+    if chip is None or not count.isdigit() or int(count) % chip.cores_per_chip:
+        raise ValueError(f"target: expected a name like v5e-8 ({', '.join(CHIPS)}), got {name!r}")
+    chips = int(count) // chip.cores_per_chip
+    if chips not in TOPOLOGIES[kind]:
+        sizes = [n * chip.cores_per_chip for n in TOPOLOGIES[kind]]
+        raise ValueError(f"target: {name} is no {kind} slice this plan describes; sizes: {sizes}")
+    return Target(str(name), chip, chips)
+
+
+@functools.cache
+def target_devices(slice_: Target) -> tuple[jax.Device, ...]:
+    """The slice's devices as libtpu describes them (raises ImportError without libtpu)."""
+    from jax.experimental import topologies
+
+    try:
+        import libtpu  # noqa: F401  (a clear error here rather than an opaque one from the backend)
+    except ImportError as e:
+        raise ImportError("planning for a TPU needs libtpu: pip install 'jaxsr[plan]'") from e
+    config = {} if slice_.chip.chip_config is None else {"chip_config_name": slice_.chip.chip_config}
+    topology = topologies.get_topology_desc(topology_name=slice_.topology, platform="tpu", **config)
+    return tuple(topology.devices)
+
+
+def target_mesh(slice_: Target, data: int = -1, model: int = 1) -> Mesh:
+    """A ('data', 'model') mesh of the slice's devices (`jaxsr.sharding.make_mesh`)."""
+    return make_mesh(data, model, target_devices(slice_))
