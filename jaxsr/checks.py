@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,6 +21,13 @@ def is_real(value: Any) -> bool:
     """Whether `value` is a real number the API takes: an int as `is_int` says, or a Python or NumPy
     float (a NumPy scalar from a user's array counts as its Python twin)."""
     return is_int(value) or isinstance(value, float | np.floating)
+
+
+def finite(value: Any) -> float | None:
+    """`value` as a float when it is a finite number (not a bool), else None."""
+    if not is_real(value) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def check_int(name: str, value: Any) -> int:
@@ -43,6 +51,18 @@ def check_unicode(name: str, text: str) -> str:
     except UnicodeEncodeError as e:
         raise ValueError(f"{name}: not valid Unicode text ({e.reason} at {e.start})") from None
     return text
+
+
+def user_path(name: str, value: str | os.PathLike) -> Path:
+    """A path as a shell user means it: `~` and `~user` expanded; one naming no known user (or no home)
+    is refused naming `name`."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:  # what pathlib raises for ~nobody-known
+        head = str(value).split(os.sep, 1)[0]
+        raise ValueError(
+            f"{name}: cannot expand {head!r} in {str(value)!r} (no such user or home directory)"
+        ) from None
 
 
 def check_seed(seed: Any) -> int:

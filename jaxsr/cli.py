@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as e:  # OSError: a file or hub download that fails
         print(f"jaxsr: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was written stays complete, and a re-run resumes
+        print("jaxsr: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -117,7 +117,8 @@ def test_yaml_and_typed_overrides(tmp_path):
     assert config.chat is False and config.seed == 5
     assert config.memory_budget == "2GiB"
     assert load_job_config(path, ["memory_budget=512"]).memory_budget == 512
-    assert load_job_config(path, ["reward=null"]).reward is None
+    with pytest.raises(ValueError, match="reward: best_of_n needs a reward"):  # null is a value: no reward
+        load_job_config(path, ["reward=null"])
     assert load_job_config(None, []) == JobConfig()  # no file: the defaults
     with pytest.raises(FileNotFoundError, match=r"nope\.yaml: the config does not exist") as missing:
         load_job_config(tmp_path / "nope.yaml", [])
@@ -226,7 +227,8 @@ def test_keys_the_method_does_not_use_are_refused():
         load_job_config(None, ["method=best_of_n", "reward=minilm", "n=4", "draft=smollm2-draft"])
     with pytest.raises(ValueError, match="rejection_rate: method=contrastive_decode"):
         load_job_config(None, ["method=contrastive_decode", "draft=x", "rejection_rate=0.3"])
-    config = load_job_config(None, ["method=best_of_n", "n=4", "decoder=contrastive", "draft=x", "beta=1"])
+    keys = ["method=best_of_n", "n=4", "reward=minilm", "decoder=contrastive", "draft=x", "beta=1"]
+    config = load_job_config(None, keys)
     assert config.beta == 1.0  # a decoder's options are used
     assert load_job_config(None, ["method=generate", "gamma=4"]).gamma == 4  # a default is not a setting
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxsr import text
-from jaxsr.checks import check_positive_int
+from jaxsr.checks import check_positive_int, user_path
 from jaxsr.loading.files import MissingFileError
 
 DATA_DIR_ENV = "JAXSR_DATA_DIR"
@@ -35,13 +35,13 @@ def find_dataset(name: str) -> Path:
     """A path as given, else a set by name from `$JAXSR_DATA_DIR`, else a bundled set."""
     if not isinstance(name, str | os.PathLike):
         raise TypeError(f"data: expected a file path or a prompt set's name, got {type(name).__name__}")
-    path = Path(name).expanduser()
+    path = user_path("data", name)
     if path.is_file():
         return path
     if path.exists():
         kind = "a directory" if path.is_dir() else "not a regular file"
         raise ValueError(f"data: {str(name)!r} is {kind}, expected a JSON/JSONL/Parquet file or a set name")
-    roots = [Path(r).expanduser() for r in os.environ.get(DATA_DIR_ENV, "").split(os.pathsep) if r]
+    roots = [user_path(DATA_DIR_ENV, r) for r in os.environ.get(DATA_DIR_ENV, "").split(os.pathsep) if r]
     for root in [*roots, BUNDLED_DIR]:
         for suffix in SUFFIXES:
             candidate = root / f"{name}{suffix}"

@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from jaxsr.checks import user_path
 from jaxsr.configs import check_field_types, check_mesh_keys, content_fingerprint, load_config
 
 METHODS = (
@@ -29,6 +30,7 @@ DECODER_OPTIONS: dict[str, tuple[str, ...]] = {
 DECODERS = tuple(DECODER_OPTIONS)
 PAIR_METHODS = {f"{kind}_decode": kind for kind in DECODERS}
 """Two-model decoding methods → their decoding kind."""
+SEARCH_METHODS = ("best_of_n", "speculative_rejection")
 SHARED_KEYS = frozenset(
     [
         "method",
@@ -149,6 +151,7 @@ class JobConfig:
         if self.method not in METHODS:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
         check_field_types(self)
+        self.output = str(user_path("output", self.output))
         if not self.output.endswith(".jsonl"):
             raise ValueError(f"output: expected a path ending in .jsonl, got {self.output!r}")
         if self.decoder is not None and self.decoder not in DECODERS:
@@ -170,6 +173,7 @@ class JobConfig:
         if self.min_keep not in (0, 1):
             raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {self.min_keep}")
         check_mesh_keys(self)
+        self._check_needs()
         used = self.used_keys()
         for field in dataclasses.fields(self):
             if field.name not in used and getattr(self, field.name) != field.default:
@@ -178,6 +182,17 @@ class JobConfig:
                     + (f" with decoder={self.decoder}" if self.decoder else "")
                     + f" does not use it (it uses {', '.join(sorted(used - SHARED_KEYS))})"
                 )
+
+    def _check_needs(self) -> None:
+        """Refuse, from the config alone, a method missing what it needs: before the data is read, a
+        file written or a model loaded."""
+        if self.draft is None and (self.method in PAIR_METHODS or self.decoder is not None):
+            needs = f"decoder={self.decoder}" if self.decoder is not None else self.method
+            raise ValueError(f"draft: {needs} needs a second model (the draft or amateur)")
+        if self.method in SEARCH_METHODS and self.reward is None:
+            raise ValueError(f"reward: {self.method} needs a reward (self_likelihood, minilm, or a path)")
+        if self.method == "best_of_n" and self.n is None:
+            raise ValueError("n: best_of_n needs n (the samples per prompt)")
 
     def used_keys(self) -> frozenset[str]:
         """The keys this job's method reads (a key it ignores must keep its default)."""

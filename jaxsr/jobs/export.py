@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxsr.checks import check_bool, check_number, check_seed
-from jaxsr.jobs.records import OWN_FIELDS, finite, read_output
+from jaxsr.checks import check_bool, check_number, check_seed, finite
+from jaxsr.jobs.records import OWN_FIELDS, read_output
 from jaxsr.jobs.runner import complete_end, write_durably
 from jaxsr.text import as_messages, check_conversation
 

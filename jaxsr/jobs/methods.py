@@ -80,8 +80,6 @@ def build_solver(config: JobConfig) -> Solver:
             model, prompts, num_samples=config.num_samples, max_rows=config.max_rows, **kw
         )
     elif config.method in PAIR_METHODS:
-        if config.draft is None:
-            raise ValueError(f"draft: {config.method} needs a second model (the draft or amateur)")
         second = resolve_model(config.draft, config.dtype, mesh, key="draft")
         models = (model, second)
         kind = PAIR_METHODS[config.method]
@@ -93,8 +91,6 @@ def build_solver(config: JobConfig) -> Solver:
     else:
         reward = resolve_reward(config.reward, config.dtype, mesh)
         if config.decoder is not None:
-            if config.draft is None:
-                raise ValueError(f"draft: decoder={config.decoder} needs a second model (draft/amateur)")
             extra = {name: getattr(config, name) for name in DECODER_OPTIONS[config.decoder]}
             model = DECODER_BUILDERS[config.decoder](
                 model, resolve_model(config.draft, config.dtype, mesh, key="draft"), **extra
@@ -102,8 +98,6 @@ def build_solver(config: JobConfig) -> Solver:
             models = model.models
         sampler = as_sampler(model, sampling)
         if config.method == "best_of_n":
-            if config.n is None:
-                raise ValueError("n: best_of_n needs n")
             run = lambda prompts, **kw: best_of_n(
                 model, reward, prompts, n=config.n, memory_budget=config.memory_budget, **kw
             )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,10 +110,3 @@ def record_problem(record: Any) -> str | None:
         if not isinstance(record.get(field, {}), dict):
             return f"`{field}` is not an object"
     return None
-
-
-def finite(value: Any) -> float | None:
-    """`value` as a float when it is a finite JSON number (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return float(value)

@@ -30,8 +30,9 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.ticker import MaxNLocator
 
+from jaxsr.checks import finite
 from jaxsr.jobs.demo import plural, table
-from jaxsr.jobs.records import EXPECTED, finite, read_output
+from jaxsr.jobs.records import EXPECTED, read_output
 from jaxsr.jobs.runner import job_file, write_durably
 
 """What an output line must be, as error messages say it."""

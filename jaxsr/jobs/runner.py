@@ -54,7 +54,7 @@ def job_file(output: Path) -> Path:
 
 def write_durably(path: Path, pieces: Iterable[bytes]) -> None:
     """Replace `path` by the concatenated `pieces` atomically: a kill leaves the old file or the new
-    one, never a mix."""
+    one, never a mix. A failed write (a full disk) is a ValueError naming `path`."""
     partial = path.with_name(path.name + ".partial")
     try:
         with partial.open("wb") as f:
@@ -63,6 +63,8 @@ def write_durably(path: Path, pieces: Iterable[bytes]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, path)
+    except OSError as e:
+        raise ValueError(f"cannot write {path} ({e.strerror or e})") from None
     finally:
         partial.unlink(missing_ok=True)
     directory = os.open(path.parent, os.O_RDONLY)

@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
+from jaxsr.checks import user_path
 from jaxsr.loading.params import path_name
 from jaxsr.sharding import param_sharding
 
@@ -59,7 +60,7 @@ def cache_root() -> Path | None:
     value = os.environ.get(ENV_VAR, "").strip()
     if value.lower() in DISABLED:
         return None
-    return Path(value).expanduser() if value else Path.home() / ".cache" / "jaxsr" / "params"
+    return user_path(ENV_VAR, value) if value else Path.home() / ".cache" / "jaxsr" / "params"
 
 
 def _source_files(source: Path) -> list[Path]:

@@ -25,7 +25,7 @@ def prompt_messages(model: Model, prompt: Prompt) -> text.Messages:
     """The prompt as the conversation a reward renders before the response: a conversation as it is,
     a text (or token ids, decoded) as one user turn."""
     if text.is_conversation(prompt):
-        return list(prompt)
+        return [dict(message) for message in prompt]  # copies: a reward cannot alter the prompt
     return text.as_messages(prompt if isinstance(prompt, str) else text.decode(model.tokenizer, prompt))
 
 
@@ -115,7 +115,7 @@ def score_prompts(model: Model, reward: Reward, items: list[Scored]) -> list[lis
         Candidates(
             prompt_text=text.last_user_turn(prompt_messages(model, prompt)),
             prompt_ids=prompt_ids,
-            token_ids=[s.token_ids for s in samples],
+            token_ids=[list(s.token_ids) for s in samples],  # copies: a reward cannot alter the samples
             texts=[s.text for s in samples],
             logprob_sum=np.array([s.logprob for s in samples], np.float64),
             num_tokens=np.array([len(s.token_ids) + s.finished for s in samples]),  # stop token included

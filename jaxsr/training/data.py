@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxsr.checks import finite
 from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.ladder import fine_bucket
 from jaxsr.models.model import Model
@@ -99,8 +100,8 @@ def exported_response(messages: list[dict[str, str]], select: str) -> tuple[Any,
 
 
 def _score(sample: dict[str, Any]) -> float | None:
-    score = sample.get("score")
-    return float(score) if isinstance(score, int | float) and not isinstance(score, bool) else None
+    """A sample's score, None when it has none that ranks (absent, not a number, NaN or infinite)."""
+    return finite(sample.get("score"))
 
 
 def select_responses(

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxsr.checks import user_path
 from jaxsr.configs import check_field_types, check_mesh_keys, load_config
 from jaxsr.data import read_prompts
 from jaxsr.decoding.api import generate
@@ -129,6 +130,7 @@ class DistillConfig(RunKeys):
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        self.output_dir = str(user_path("output_dir", self.output_dir))
         check_mesh_keys(self)
         for name in POSITIVE_INTS:
             if getattr(self, name) < 1:

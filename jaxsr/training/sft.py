@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsr.checks import user_path
 from jaxsr.configs import check_field_types, check_mesh_keys, load_config
 from jaxsr.loading.api import save_model
 from jaxsr.loading.resolve import mesh_from_keys, resolve_model
@@ -79,9 +80,11 @@ class SFTConfig(RunKeys):
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        self.output_dir = str(user_path("output_dir", self.output_dir))
         check_mesh_keys(self)
         if self.data is None:
             raise ValueError("data: expected the path of a results JSONL (the output of `jaxsr run`)")
+        self.data = str(user_path("data", self.data))
         if self.select not in SELECTIONS:
             raise ValueError(f"select: expected one of {SELECTIONS}, got {self.select!r}")
         if (self.threshold is None) == (self.select == "threshold"):

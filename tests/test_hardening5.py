@@ -1,0 +1,131 @@
+"""Issue 30, first classes: a job config missing what its method needs is refused before any model
+loads; paths as a shell user means them (`~`, `~user`); Ctrl-C ends with one line and 130; a failed
+durable write names its file; a reward cannot alter the results it is given; NaN scores are never
+chosen for fine-tuning."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+import jaxsr
+from jaxsr import cli
+from jaxsr.data import find_dataset
+from jaxsr.jobs.config import JobConfig, load_job_config
+from jaxsr.jobs.runner import write_durably
+from jaxsr.rewards import SelfLikelihood
+from jaxsr.training import load_sft_config
+from jaxsr.training.data import select_responses
+
+UNKNOWN_USER = "~no-such-user-jaxsr"
+
+
+@pytest.mark.parametrize(
+    "keys, named",
+    [
+        (["method=best_of_n", "reward=self_likelihood"], "n: best_of_n needs n"),
+        (["method=best_of_n", "n=4"], "reward: best_of_n needs a reward"),
+        (["method=speculative_rejection"], "reward: speculative_rejection needs a reward"),
+        (["method=speculative_decode"], "draft: speculative_decode needs a second model"),
+        (["method=best_of_n", "n=2", "reward=minilm", "decoder=contrastive"], "draft: decoder=contrastive"),
+    ],
+)
+def test_a_job_missing_what_its_method_needs_is_refused_before_any_model_loads(
+    keys, named, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("JAXSR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("jaxsr.jobs.methods.resolve_model", lambda *a, **k: pytest.fail("a model loaded"))
+    output, config = tmp_path / "out" / "job.jsonl", tmp_path / "job.yaml"
+    config.write_text(f"output: {output}\n")
+    assert cli.main(["run", str(config), *keys, "--no-progress"]) == 2
+    assert named in capsys.readouterr().err
+    assert not output.parent.exists() and not (tmp_path / "cache").exists()  # nothing written
+
+
+def test_paths_expand_home_and_refuse_unknown_users_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert JobConfig(output="~/runs/job.jsonl").output == str(tmp_path / "runs" / "job.jsonl")
+    assert load_sft_config(None, ["data=~/r.jsonl", "output_dir=~/sft"]).output_dir == str(tmp_path / "sft")
+    (tmp_path / "set.jsonl").write_text('{"prompt": "hi"}\n')
+    assert find_dataset("~/set.jsonl") == tmp_path / "set.jsonl"
+    for make, name in [
+        (lambda: JobConfig(output=f"{UNKNOWN_USER}/job.jsonl"), "output"),
+        (lambda: load_sft_config(None, [f"data={UNKNOWN_USER}/r.jsonl"]), "data"),
+        (lambda: load_sft_config(None, ["data=r.jsonl", f"output_dir={UNKNOWN_USER}/x"]), "output_dir"),
+        (lambda: find_dataset(f"{UNKNOWN_USER}/set.jsonl"), "data"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{name}: cannot expand '{UNKNOWN_USER}'"):
+            make()
+    monkeypatch.setenv("JAXSR_DATA_DIR", f"{UNKNOWN_USER}/sets")
+    with pytest.raises(ValueError, match=r"^JAXSR_DATA_DIR: cannot expand"):
+        find_dataset("some_set")
+
+
+def test_ctrl_c_ends_with_one_line_and_exit_code_130(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_job", interrupted)
+    assert cli.main(["run", "configs/generate_alpaca.yaml", "--no-progress"]) == 130
+    assert capsys.readouterr().err == "jaxsr: interrupted\n"
+
+
+def test_a_write_that_fails_names_its_file_and_leaves_no_partial(tmp_path, monkeypatch):
+    target = tmp_path / "job.job.json"
+
+    def full(_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.fsync", full)
+    with pytest.raises(ValueError, match=f"cannot write {target} \\(No space left on device\\)"):
+        write_durably(target, [b"{}"])
+    assert list(tmp_path.iterdir()) == []
+
+
+class Meddling:
+    """A reward that edits what it is given: its token-id lists, texts and the prompt's messages."""
+
+    name, token_forwards = "meddling", 0
+
+    def score(self, candidates):
+        for ids in candidates.token_ids:
+            ids.extend([1, 2, 3])
+        candidates.texts[:] = ["changed"] * len(candidates.texts)
+        candidates.messages[0]["content"] = "changed"
+        return np.arange(len(candidates), dtype=np.float64)
+
+
+@pytest.mark.parametrize("search", [jaxsr.best_of_n, jaxsr.speculative_rejection])
+def test_a_reward_cannot_alter_the_results_it_scores(search):
+    lm = tiny_model(seed=2, eos_token_ids=(63,))
+    kwargs = dict(n=4, max_new_tokens=8, seed=1)
+    if search is jaxsr.speculative_rejection:
+        kwargs["memory_budget"] = 256
+    meddled = search(lm, Meddling(), [[3, 4, 5]], **kwargs)[0]
+    plain = search(lm, SelfLikelihood(), [[3, 4, 5]], **kwargs)[0]
+    assert [s.token_ids for s in meddled.samples] == [s.token_ids for s in plain.samples]
+    assert all(len(s.token_ids) <= 8 for s in meddled.samples)
+
+
+def test_sft_never_chooses_a_nan_or_infinite_score():
+    samples = [
+        {"text": "nan", "score": float("nan")},
+        {"text": "inf", "score": float("inf")},
+        {"text": "good", "score": 1.0},
+        {"text": "worse", "score": 0.5},
+    ]
+    record = {"prompt": "p", "samples": samples, "best": None}
+    assert [s["text"] for _, s in select_responses([record], "best")] == ["good"]
+    assert [s["text"] for _, s in select_responses([record], "top_k", k=2)] == ["good", "worse"]
+    assert [s["text"] for _, s in select_responses([record], "threshold", threshold=0.0)] == ["good", "worse"]
+
+
+def test_a_config_file_names_its_key_when_a_method_lacks_one(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps({"method": "best_of_n", "reward": "minilm"}))
+    with pytest.raises(ValueError, match=r"^n: best_of_n needs n"):
+        load_job_config(Path(path))
