@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import yaml
 
 from jaxsr.checks import check_number, is_int, is_real
-from jaxsr.loading.files import MissingFileError
+from jaxsr.loading.files import MissingFileError, read_small
 
 C = TypeVar("C")
 
@@ -101,7 +101,7 @@ def load_config(kind: type[C], path: str | Path | None, overrides: Sequence[str]
     values: dict[str, Any] = {}
     if path is not None:
         try:
-            loaded = yaml.load(Path(path).read_bytes().decode("utf-8"), Loader=_PlainLoader) or {}
+            loaded = yaml.load(read_small(Path(path)).decode("utf-8"), Loader=_PlainLoader) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""

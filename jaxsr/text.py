@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from jaxsr import chat_template
+from jaxsr.loading.files import is_panic
 
 Messages = list[dict[str, str]]
 """A conversation: `{"role", "content"}` messages, as chat templates and TRL's datasets hold them."""
@@ -88,8 +89,14 @@ def longest_token(tokenizer: Any) -> int:
 
 
 def encode(tokenizer: Any, text: str, *, special_tokens: bool = True) -> list[int]:
-    """Token ids of `text`; `special_tokens=False` for text a chat template already marked up."""
-    return list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+    """Token ids of `text`; `special_tokens=False` for text a chat template already marked up. A
+    tokenizer that panics (a pyo3 `PanicException`) is a ValueError naming it."""
+    try:
+        return list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+    except BaseException as e:
+        if not is_panic(e):
+            raise
+        raise ValueError(f"tokenizer of {_name(tokenizer)} failed on a text: {e}") from None
 
 
 def encode_prompt(

@@ -180,8 +180,10 @@ def test_read_json_checks_the_kind_of_value(tmp_path):
     assert read_json(file, list) == [1, 2]
     with pytest.raises(CheckpointError, match=r"x.json: holds a JSON list, expected an object"):
         read_json(file)
-    with pytest.raises(CheckpointError, match="cannot be read"):
+    with pytest.raises(CheckpointError, match=r"not a regular file \(a directory\)"):
         read_json(tmp_path)
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        read_json(tmp_path / "absent.json")
 
 
 @pytest.fixture(scope="module")

@@ -129,3 +129,45 @@ def test_a_config_file_names_its_key_when_a_method_lacks_one(tmp_path):
     path.write_text(json.dumps({"method": "best_of_n", "reward": "minilm"}))
     with pytest.raises(ValueError, match=r"^n: best_of_n needs n"):
         load_job_config(Path(path))
+
+
+def test_a_tokenizer_that_panics_is_a_value_error_naming_it():
+    import transformers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    from jaxsr import text
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("((a+)+)+b"), behavior="isolated")  # backtracks
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    with pytest.raises(ValueError, match=r"tokenizer of .* failed on a text: .*retry-limit"):
+        text.encode(tokenizer, "a" * 30)
+    assert text.encode(tokenizer, "a") == [1]  # the same tokenizer on a text it can take
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory", "huge"])
+def test_metadata_files_that_are_no_small_regular_file_are_refused_before_reading(
+    tmp_path, kind, monkeypatch
+):
+    import os
+
+    from jaxsr.loading import files
+
+    path = tmp_path / "config.json"
+    if kind == "fifo":
+        os.mkfifo(path)  # reading it would block forever
+    elif kind == "device":
+        path.symlink_to("/dev/zero")  # reading it would never end
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        monkeypatch.setattr(files, "METADATA_BYTES", 1024)
+        path.write_text(json.dumps({"x": "y" * 2048}))
+    message = "larger than 1024 bytes" if kind == "huge" else "not a regular file"
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        files.read_json(path)
+    yaml_path = tmp_path / "job.yaml"
+    if kind != "huge":
+        yaml_path.symlink_to(path)
+        with pytest.raises(ValueError, match="not a regular file"):
+            load_job_config(yaml_path)

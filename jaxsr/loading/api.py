@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from jaxsr.checks import check_bool, check_int
 from jaxsr.loading import param_cache
-from jaxsr.loading.files import CheckpointError, MissingFileError, read_json, with_file
+from jaxsr.loading.files import CheckpointError, MissingFileError, is_panic, read_json, with_file
 from jaxsr.loading.hf_config import decoder_config_from_hf, hf_config_from_decoder
 from jaxsr.loading.params import place_params
 from jaxsr.loading.safetensors import SafetensorsCheckpoint, write_safetensors
@@ -59,14 +59,20 @@ def resolve_source(source: str | Path, revision: str | None = None) -> Path:
 def load_tokenizer(directory: Path) -> Any:
     """The checkpoint's transformers tokenizer (with its chat template), or None if it ships none."""
     names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    if not any((directory / n).exists() for n in names):
+    present = [directory / n for n in names if (directory / n).exists()]
+    if not present:
         return None
+    for path in present:  # a FIFO would block the reader, a link to a device never end
+        if not path.is_file():
+            raise CheckpointError(f"{path}: not a regular file")
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
-    except Exception as e:  # transformers and tokenizers raise many types for a bad file
-        raise CheckpointError(f"{directory}: the tokenizer files cannot be read: {e}") from e
+    except BaseException as e:  # transformers and tokenizers raise many types for a bad file
+        if not isinstance(e, Exception) and not is_panic(e):
+            raise  # Ctrl-C, SystemExit
+        raise CheckpointError(f"{directory}: the tokenizer files cannot be read: {e}") from None
 
 
 def _config_eos(cfg: dict[str, Any], file: Path, vocab: int) -> list[int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,10 +22,41 @@ class MissingFileError(FileNotFoundError, ValueError):
     """A path argument names nothing: a FileNotFoundError, and (as every bad argument) a ValueError."""
 
 
+METADATA_BYTES = 256 << 20
+"""The most a metadata file (a config, an index, a job config) may hold: more is no such file."""
+
+
+def read_small(path: Path) -> bytes:
+    """The bytes of a small regular file. A FIFO, device or socket (or a link to one) is refused before
+    it is opened, and a file past METADATA_BYTES after reading that many (a link to /dev/zero cannot
+    fill the memory); OSError as `open` raises it."""
+    limit = METADATA_BYTES
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path}: not a regular file (a {_kind(mode)}), expected a file of text")
+    with path.open("rb") as f:
+        content = f.read(limit + 1)
+    if len(content) > limit:
+        raise CheckpointError(f"{path}: larger than {limit} bytes, too large for a metadata file")
+    return content
+
+
+def _kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket")]
+    return next((name for test, name in kinds if test(mode)), "device or special file")
+
+
+def is_panic(error: BaseException) -> bool:
+    """Whether `error` is a Rust panic surfacing through pyo3 (`PanicException`, a BaseException, not an
+    Exception): what the tokenizers library raises when a tokenizer file trips its regex engine."""
+    return type(error).__name__ == "PanicException"
+
+
 def read_json(path: Path, expected: type = dict) -> Any:
-    """The JSON value of `path`, which must be an `expected` (a JSON object by default)."""
+    """The JSON value of `path` (a small regular file: `read_small`), which must be an `expected` (a
+    JSON object by default)."""
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
+        value = json.loads(read_small(path).decode("utf-8"))
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
