@@ -63,6 +63,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise CheckpointError(
             f"{path}: truncated: header promises {data_start + data_len} bytes, file has {size}"
         )
+    _check_ranges(path, header, size - data_start)
     mapped = (
         np.memmap(path, dtype=np.uint8, mode="r", offset=data_start, shape=(data_len,)) if data_len else None
     )
@@ -83,6 +84,24 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _check_ranges(path: Path, header: dict, data_len: int) -> None:
+    """The tensors' byte ranges tile the data buffer, as the reference reader requires: in order, each
+    starting where the one before ends, the last ending at the file's end (no overlap, no gap)."""
+    end = 0
+    for name, (start, stop) in sorted(
+        ((n, i["data_offsets"]) for n, i in header.items()), key=lambda x: x[1]
+    ):
+        if start != end or stop < start:
+            raise CheckpointError(
+                f"{path}: tensor {name!r}'s byte range [{start}, {stop}) overlaps or leaves a gap"
+            )
+        end = stop
+    if end != data_len:
+        raise CheckpointError(
+            f"{path}: {data_len - end} bytes after the last tensor's data (a corrupt header)"
+        )
+
+
 class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
     """A directory's tensors by name, from `model.safetensors` or a sharded index."""
 
@@ -93,11 +112,18 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no `weight_map` object")
-            paths = {inside(directory, name, index) for name in weight_map.values()}
-            files = sorted(str(path.relative_to(directory)) for path in paths)
+            owner = {
+                k: str(inside(directory, v, index).relative_to(directory)) for k, v in weight_map.items()
+            }
+            files = sorted(set(owner.values()))
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
-            weight_map = {}
+            weight_map, owner = {}, {}
+            if len(files) > 1:  # which file's tensors would win is no choice to make silently
+                raise CheckpointError(
+                    f"{directory}: {len(files)} weights files ({', '.join(files)}) and no "
+                    "model.safetensors.index.json naming which tensor is in which; keep one, or add the index"
+                )
         if not files:
             pickled = sorted(p.name for p in directory.glob("*.bin")) + sorted(
                 p.name for p in directory.glob("*.pt*")
@@ -115,7 +141,10 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
             path = directory / name
             if not path.is_file():
                 raise CheckpointError(f"{path}: shard listed in model.safetensors.index.json is missing")
-            self._tensors.update(read_safetensors(path))
+            tensors = read_safetensors(path)
+            if owner:  # each tensor from the shard the index names, whatever the others hold
+                tensors = {k: v for k, v in tensors.items() if owner.get(k) == name}
+            self._tensors.update(tensors)
         missing = set(weight_map) - set(self._tensors)
         if missing:
             raise CheckpointError(
