@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxsr.checks import check_bool, check_int
+from jaxsr.checks import check_bool, check_int, user_path
 from jaxsr.loading import param_cache
 from jaxsr.loading.files import CheckpointError, MissingFileError, is_panic, read_json, with_file
 from jaxsr.loading.hf_config import decoder_config_from_hf, hf_config_from_decoder
@@ -46,7 +46,7 @@ def resolve_source(source: str | Path, revision: str | None = None) -> Path:
         raise ValueError(f"source: expected a path or a hub id, got {str(source)!r}")
     if revision is not None and not isinstance(revision, str):
         raise TypeError(f"revision: expected a branch, tag or commit (a str) or None, got {revision!r}")
-    path = Path(source).expanduser()
+    path = user_path("source", source)
     if path.exists():
         return path
     if str(source).endswith(".gguf") or str(source).startswith((".", "/", "~")):
@@ -298,7 +298,7 @@ def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None 
             raise ValueError(
                 f"pad_token_id: expected an id in [0, {model.config.vocab_size}), got {pad_token_id}"
             )
-    directory = Path(directory).expanduser()
+    directory = user_path("directory", directory)
     if directory.name in ("", ".."):  # ".", "a/..": stage beside the directory it names, not inside it
         directory = directory.resolve()
     if directory.exists() and not directory.is_dir():
