@@ -187,3 +187,20 @@ def test_a_parquet_file_that_is_not_parquet_is_refused(tmp_path):
     path.write_text("not parquet")
     with pytest.raises(ValueError, match="is not a readable Parquet file"):
         read_records(str(path))
+
+
+def test_distillation_splits_conversation_prompts_from_its_held_out_set(tmp_path, monkeypatch):
+    from jaxsr.training import load_distill_config
+    from jaxsr.training.distill import split_prompts
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    (tmp_path / "train.jsonl").write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [{"messages": chat}, {"prompt": "a"}, {"messages": chat}, {"prompt": "b"}]
+        )
+    )
+    (tmp_path / "held.jsonl").write_text(json.dumps({"prompt": "b"}) + "\n")
+    monkeypatch.setenv("JAXSR_DATA_DIR", str(tmp_path))
+    train, held = split_prompts(load_distill_config(None, ["prompts=train", "heldout=held"]))
+    assert train == [chat, "a"] and held == ["b"]  # each once, in order, the held-out one left out

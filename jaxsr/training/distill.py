@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -488,17 +489,28 @@ def decode_seconds_per_token(model: Model, prompt: list[int], tokens: int = 64) 
 
 
 # -- the run ---------------------------------------------------------------------------------------
-def split_prompts(config: DistillConfig) -> tuple[list[str], list[str]]:
-    """(training prompts, held-out prompts): the training sets minus every prompt of the held-out set."""
+def split_prompts(config: DistillConfig) -> tuple[list[Any], list[Any]]:
+    """(training prompts, held-out prompts): the training sets minus every prompt of the held-out set
+    (texts or conversations), each prompt once."""
     held_all = read_prompts(config.heldout)
-    held_set = set(held_all)
+    held_set = {_key(p) for p in held_all}
     train_prompts = [
         p for name in config.prompts.split(",") if name.strip() for p in read_prompts(name.strip())
     ]
-    train_prompts = [p for p in dict.fromkeys(train_prompts) if p not in held_set][: config.max_prompts]
+    seen, kept = held_set, []
+    for prompt in train_prompts:  # in order, each once, none held out
+        if _key(prompt) not in seen:
+            seen.add(_key(prompt))
+            kept.append(prompt)
+    train_prompts = kept[: config.max_prompts]
     if not train_prompts:
         raise ValueError(f"prompts: no prompt of {config.prompts} is left outside heldout={config.heldout}")
     return train_prompts, held_all[: config.heldout_prompts]
+
+
+def _key(prompt: Any) -> str:
+    """A prompt as a comparable key: a text itself, a conversation as canonical JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
 def distill(config: DistillConfig, *, progress: bool = True) -> Path:
