@@ -1,10 +1,12 @@
 """The `jaxsr` command: `jaxsr run CONFIG.yaml [key=value ...]`, `jaxsr report OUTPUT.jsonl`,
 `jaxsr export OUTPUT.jsonl --sft PATH --preference PATH`,
-`jaxsr demo [--prompts K ...]`, `jaxsr train sft|distill CONFIG.yaml [key=value ...]`."""
+`jaxsr demo [--prompts K ...]`, `jaxsr train sft|distill CONFIG.yaml [key=value ...]`,
+`jaxsr plan CONFIG.yaml --target v5e-8 [key=value ...]`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -18,6 +20,7 @@ from jaxsr.jobs.methods import build_solver
 from jaxsr.jobs.report import summarize, write_report
 from jaxsr.jobs.runner import run_job
 from jaxsr.loading.param_cache import cache_root
+from jaxsr.plans import plan_dict, plan_job, plan_table, target
 from jaxsr.training import distill, load_distill_config, load_sft_config, sft
 
 TRAINERS = {
@@ -74,6 +77,17 @@ def report(output: str, directory: str | None) -> Path:
     """Print a job output's summary table and write its report (plots and one HTML page)."""
     print(summarize(output).table())
     return write_report(output, directory)
+
+
+def plan(
+    config_path: str, overrides: list[str], target_name: str, prompt_tokens: int, layers: int | None,
+    json_path: str | None,
+) -> str:  # fmt: skip
+    """A job's plan for a TPU slice as a table (and as JSON at `json_path`)."""
+    job = plan_job(load_job_config(config_path, overrides), target(target_name), prompt_tokens, layers)
+    if json_path is not None:
+        Path(json_path).expanduser().write_text(json.dumps(plan_dict(job), indent=2) + "\n")
+    return plan_table(job)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,11 +179,32 @@ def main(argv: list[str] | None = None) -> int:
         stage_parser.add_argument("config")
         stage_parser.add_argument("overrides", nargs="*", metavar="key=value")
         stage_parser.add_argument("--no-progress", action="store_true")
+    plan_parser = commands.add_parser(
+        "plan",
+        help="will a job fit a TPU slice? its programs compiled for the slice on this CPU machine",
+        description="Compiles the job's programs for the target from its models' configs alone (no "
+        "weights, no accelerator) at the batch jaxsr would pick there, and prints per device: "
+        "parameters, KV per row, each program's peak against the chip's HBM, the collectives of a "
+        "decode step, and a roofline step time (a lower bound).",
+    )
+    plan_parser.add_argument("config")
+    plan_parser.add_argument("overrides", nargs="*", metavar="key=value")
+    plan_parser.add_argument(
+        "--target", required=True, help="a Cloud TPU slice: v5e-8, v6e-16, v5p-8, v4-8, ..."
+    )
+    plan_parser.add_argument(
+        "--prompt-tokens", type=int, default=128, metavar="T", help="prompt length planned for (default 128)"
+    )
+    plan_parser.add_argument(
+        "--layers", type=int, metavar="L", help="cut every model to L layers (a quick look)"
+    )
+    plan_parser.add_argument("--json", metavar="PATH", help="write the plan as JSON too")
     args, extra = parser.parse_known_args(argv)
-    unknown = [i for i in extra if args.command not in ("run", "train") or "=" not in i or i.startswith("-")]
+    with_overrides = ("run", "train", "plan")
+    unknown = [i for i in extra if args.command not in with_overrides or "=" not in i or i.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command in ("run", "train"):
+    if args.command in with_overrides:
         args.overrides += extra  # key=value items given after an option
     use_compilation_cache()
     try:
@@ -186,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(written.summary())
         elif args.command == "report":
             print(report(args.output, args.dir))
+        elif args.command == "plan":
+            print(plan(args.config, args.overrides, args.target, args.prompt_tokens, args.layers, args.json))
         elif args.command == "train":
             load, train = TRAINERS[args.stage][:2]
             print(train(load(args.config, args.overrides), progress=not args.no_progress))

@@ -5,13 +5,29 @@ alone. The TPU compiles are a backend of their own: XLA_FLAGS' fake CPU devices 
 from __future__ import annotations
 
 import importlib.util
+import json
+import types
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from jaxsr.plans import Batch, abstract_model, bytes_per_device, hlo, plan_batch, target, target_mesh
+from jaxsr.cli import main
+from jaxsr.ladder import bucket
+from jaxsr.loading.hf_config import decoder_config_from_hf
+from jaxsr.plans import (
+    Batch,
+    abstract_model,
+    bytes_per_device,
+    hf_config_of,
+    hlo,
+    job,
+    plan_batch,
+    target,
+    target_mesh,
+)
+from jaxsr.search import memory
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
 
@@ -155,3 +171,99 @@ def test_a_program_too_big_for_the_chip_is_refused_naming_the_target_and_its_mem
     model = abstract_model(huge, target_mesh(V5E_8, data=8, model=1))
     with pytest.raises(ValueError, match=r"prefill does not fit v5e-8: .*15\.75 GiB"):
         plan_batch(model, V5E_8, BATCH)
+
+
+# --- a job's plan: `jaxsr plan CONFIG.yaml --target ...` -------------------------------------------------
+
+
+def test_shipped_configs_are_the_hub_models_and_plan_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    gemma = decoder_config_from_hf(hf_config_of("google/gemma-2-9b-it"))
+    assert (gemma.num_layers, gemma.hidden_size, gemma.vocab_size) == (42, 3584, 256000)
+    skywork = decoder_config_from_hf(hf_config_of("Skywork/Skywork-Reward-Llama-3.1-8B-v0.2"))
+    assert skywork.is_reward_model and skywork.num_layers == 32
+    llama = hf_config_of("meta-llama/Llama-3.1-8B-Instruct")
+    assert {k: llama[k] for k in LLAMA_31_8B_2_LAYERS if k != "num_hidden_layers"} == {
+        k: v for k, v in LLAMA_31_8B_2_LAYERS.items() if k != "num_hidden_layers"
+    }
+    assert hf_config_of("smollm2")["num_hidden_layers"] == 30  # the embedded GGUF's metadata
+    assert hf_config_of("smollm2-draft")["architectures"] == ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match="ships no config for it, and the hub could not provide"):
+        hf_config_of("no-such-owner/no-such-model")
+    with pytest.raises(ValueError, match="does not exist"):
+        hf_config_of("./no/such/dir")
+
+
+def test_best_of_n_rows_of_a_plan_are_the_searchs_own():
+    sampler = types.SimpleNamespace(slot_bytes=1000, headroom=0, mesh=None)
+    for slots, n, prompt, new in [(4096, 16, 128, 256), (100_000, 8, 64, 512), (700, 4, 128, 128)]:
+        ours = job.best_of_n_rows(slots, bucket(prompt), bucket(new), n)
+        assert ours == memory.best_of_n_rows(sampler, slots, [[0] * prompt], n, new), (slots, n)
+
+
+def reward_checkpoint(tmp_path) -> str:
+    """A reward model's directory: the embedded draft's config as a sequence classifier (config only)."""
+    config = hf_config_of("smollm2-draft") | {"architectures": ["LlamaForSequenceClassification"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_jobs_plan_counts_its_reward_model_and_prints_and_writes_it(tmp_path, capsys):
+    """Best-of-N over the embedded SmolLM2 (cut to 1 layer) scored by a reward model, on a v5e-4 split
+    2 × 2: the batch within the memory_budget, the reward model's scoring compiled and counted."""
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(
+        f"method: best_of_n\nn: 8\nreward: {reward_checkpoint(tmp_path)}\nmax_new_tokens: 32\n"
+        "dtype: bfloat16\nmesh_data: -1\nmesh_model: 2\nmemory_budget: 1024\n"
+    )
+    out = tmp_path / "plan.json"
+    argv = ["plan", str(config_file), "--target", "v5e-4", "--layers", "1", "--prompt-tokens", "60"]
+    assert main([*argv, "--json", str(out)]) == 0
+    printed, plan = capsys.readouterr().out, json.loads(out.read_text())
+    assert plan["mesh"] == {"data": 2, "model": 2} and plan["layers"] == 1
+    # 1024 slots, prompts of 64, rows of 32: 16 rows = 2 prompts' 8 samples
+    assert plan["batch"] == {
+        "prompts": 2,
+        "rows": 8,
+        "prompt_slots": 64,
+        "max_new_tokens": 32,
+        "segment": None,
+    }
+    names = [p["name"] for p in plan["programs"]]
+    assert names == ["prefill", "start", "decode_loop", "reward_scores"]
+    assert plan["reward_batch"] == {"rows": 32, "length": 96}
+    assert set(plan["parameter_bytes"]) == {"model", "reward"} and plan["fits"]
+    loop = plan["programs"][2]
+    # the reward model's parameters stay beside the decoder's programs
+    assert plan["peak_bytes"]["decode_loop"] == _peak(loop) + plan["parameter_bytes"]["reward"]
+    assert plan["peak_bytes"]["reward_scores"] == _peak(plan["programs"][3]) + loop["argument_bytes"]
+    step = plan["decode_step"]
+    v5e = V5E_8.chip
+    assert step["step_s"] == max(loop["flops"] / v5e.bf16_flops, loop["bytes_accessed"] / v5e.hbm_bytes_per_s)
+    assert step["tokens_per_s"] == pytest.approx(16 / step["step_s"])
+    # one row's caches: 1 layer × (K + V) × 3 KV heads × 64 dims × 32 slots × 2 bytes, on one device
+    assert plan["kv_bytes_per_row"] == 2 * 3 * 64 * 32 * 2
+    assert "best_of_n on v5e-4" in printed and "reward_scores: peak" in printed and "lower bound" in printed
+
+
+def _peak(program: dict) -> int:
+    keys = ("argument_bytes", "output_bytes", "temp_bytes", "code_bytes")
+    return sum(program[k] for k in keys) - program["alias_bytes"]
+
+
+@needs_libtpu
+def test_a_job_whose_parameters_exceed_the_chip_is_refused_in_one_line(capsys):
+    argv = ["plan", "configs/speculative_rejection_gemma2_9b.yaml", "--target", "v5e-8", "mesh_model=1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()[-1]  # (libtpu's own warnings before it)
+    assert err.startswith("jaxsr: error: parameters: ") and "15.75 GiB a v5e-8 program may use" in err
+
+
+def test_plan_usage_errors_are_one_line(capsys):
+    assert main(["plan", "configs/speculative_rejection_gemma2_9b.yaml", "--target", "h100-8"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("jaxsr: error: target: expected a name like")
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "configs/speculative_rejection_gemma2_9b.yaml"])
+    assert e.value.code == 2 and "--target" in capsys.readouterr().err

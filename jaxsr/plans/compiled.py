@@ -12,27 +12,30 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxsr.decoding import loop
 from jaxsr.decoding.driver import Layout, Prefill, Sampler, as_sampler
 from jaxsr.decoding.inputs import Request
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.models.model import Model
+from jaxsr.models.model import Model, RewardModel, _scores
 from jaxsr.plans import hlo
 from jaxsr.plans.abstract import bytes_per_device
 from jaxsr.plans.targets import GIB, Target
+from jaxsr.sharding import batch_sharding, on_mesh
 
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
     """One decode batch as the driver lays it out (`driver.Layout`): `prompts` prompts of up to
-    `prompt_slots` tokens, `rows` rows each, decoding up to `max_new_tokens` tokens."""
+    `prompt_slots` tokens, `rows` rows each, decoding up to `max_new_tokens` tokens into row caches of
+    `segment` slots (None: as many; a Speculative Rejection rung's are shorter)."""
 
     prompts: int
     rows: int
     prompt_slots: int
     max_new_tokens: int
+    segment: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,9 @@ class Plan:
     parameter_bytes: int
     """One device's shards of the parameters, as the sharding rules place them."""
     programs: tuple[Program, ...]
-    """prefill, start (the rows' first tokens), decode_loop."""
+    """prefill (and the second model's), start (the rows' first tokens), decode_loop."""
+    row_cache_bytes: int
+    """One device's shards of the rows' caches (every model's) the token loop writes."""
 
     def program(self, name: str) -> Program:
         return next(p for p in self.programs if p.name == name)
@@ -131,29 +136,53 @@ def placeholder_request(batch: Batch) -> Request:
     return Request(prompts, encoded, batch.max_new_tokens, SamplingConfig(), 0, (), prompts)
 
 
-def plan_batch(model: Model, target: Target, batch: Batch) -> Plan:
-    """Compile `batch`'s prefill, row set-up and token loop for plain sampling from `model` (e.g. an
-    `abstract_model` on `target_mesh(target, ...)`), as `driver.decode_batch` runs them."""
+def plan_batch(model: Model | Sampler, target: Target, batch: Batch) -> Plan:
+    """Compile `batch`'s prefills (one per model), row set-up and token loop for plain sampling from
+    `model`, or for a two-model `Sampler` (e.g. of `abstract_model`s on `target_mesh(target, ...)`), as
+    `driver.decode_batch` runs them. The second model's prefill is `prefill_<its role>`."""
     sampler = as_sampler(model, SamplingConfig())
-    tokens = jax.ShapeDtypeStruct(
-        (batch.prompts, batch.prompt_slots), jnp.int32, sharding=NamedSharding(model.mesh, PartitionSpec())
-    )
+    tokens = abstract_tokens(sampler.mesh, batch.prompts, batch.prompt_slots, PartitionSpec())
+    names = ["prefill", *(f"prefill_{role}" for role in sampler.roles[1:])]
     with sampler.on_mesh():
-        prefill_c, prefill = compile_for(
-            target, "prefill", lambda: loop.prefill.lower(model.graph, model.params, tokens, tokens).compile()
-        )
-        logits, cache = prefill_c.out_info
+        prefills = [
+            compile_for(
+                target, name, lambda m=m: loop.prefill.lower(m.graph, m.params, tokens, tokens).compile()
+            )
+            for name, m in zip(names, sampler.models, strict=True)
+        ]
+        logits, caches = (tuple(c.out_info[i] for c, _ in prefills) for i in (0, 1))
         start_c, start = compile_for(
-            target, "start", lambda: _start(sampler, batch).lower(logits, cache).compile()
+            target, "start", lambda: _start(sampler, batch).lower(logits, caches).compile()
         )
         _, decode = compile_for(
-            target, "decode_loop", lambda: sampler.compiled_loop(start_c.out_info, (cache,))
+            target, "decode_loop", lambda: sampler.compiled_loop(start_c.out_info, caches)
         )
-    return Plan(target, batch, bytes_per_device(model.params), (prefill, start, decode))
+    programs = (*(p for _, p in prefills), start, decode)
+    rows = bytes_per_device(start_c.out_info.rows)
+    return Plan(target, batch, bytes_per_device(sampler.params), programs, rows)
+
+
+def plan_scores(model: RewardModel, target: Target, rows: int, length: int) -> Program:
+    """The reward model's scoring program (`RewardModel.scores`' jitted function) for a batch of `rows`
+    responses of `length` tokens, its rows split over the mesh's `data` shards as jaxsr places them."""
+    tokens = abstract_tokens(model.mesh, rows, length, batch_sharding(model.mesh, (rows, length)).spec)
+    with on_mesh(model):
+        return compile_for(
+            target,
+            "reward_scores",
+            lambda: _scores.lower(model.graph, model.params, tokens, tokens).compile(),
+        )[1]
+
+
+def abstract_tokens(mesh: Mesh, rows: int, length: int, spec: PartitionSpec) -> jax.ShapeDtypeStruct:
+    """A [rows, length] int32 batch (ids or a mask) placed on `mesh` by `spec`."""
+    return jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=NamedSharding(mesh, spec))
 
 
 def _start(sampler: Sampler, batch: Batch) -> Any:
-    """`Sampler.start` of the batch's layout as one jitted program of the prefill's outputs."""
+    """`Sampler.start` of the batch's layout as one jitted program of the prefills' outputs."""
     layout = Layout(tuple(range(batch.prompts)), batch.prompts, batch.rows, batch.rows)
     request = placeholder_request(batch)
-    return jax.jit(lambda logits, cache: sampler.start(Prefill((logits,), (cache,), 0), layout, request))
+    return jax.jit(
+        lambda logits, caches: sampler.start(Prefill(logits, caches, 0), layout, request, batch.segment)
+    )

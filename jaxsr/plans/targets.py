@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 from jax.sharding import Mesh
@@ -97,6 +98,9 @@ def target_devices(slice_: Target) -> tuple[jax.Device, ...]:
         import libtpu  # noqa: F401  (a clear error here rather than an opaque one from the backend)
     except ImportError as e:
         raise ImportError("planning for a TPU needs libtpu: pip install 'jaxsr[plan]'") from e
+    # a plan compiles, never runs: several processes may describe slices at once (libtpu's lock file
+    # otherwise refuses a second process)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     config = {} if slice_.chip.chip_config is None else {"chip_config_name": slice_.chip.chip_config}
     topology = topologies.get_topology_desc(topology_name=slice_.topology, platform="tpu", **config)
     return tuple(topology.devices)

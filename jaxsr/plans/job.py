@@ -1,0 +1,220 @@
+"""A job's plan: the programs `jaxsr run CONFIG.yaml` would run, compiled for a target from the models'
+configs alone (`sources.hf_config_of`), at the batch jaxsr itself would pick there — the widest
+Best-of-N batch or Speculative Rejection first batch `memory_budget=None` derives from the chip's
+memory beside every model's parameters — with the reward model's scoring program beside them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import Mesh
+
+from jaxsr.checks import is_int
+from jaxsr.decoding.driver import Sampler, as_sampler, batches, default_rows
+from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
+from jaxsr.jobs.methods import DECODER_BUILDERS
+from jaxsr.ladder import bucket, fine_bucket
+from jaxsr.models.model import Model, RewardModel
+from jaxsr.plans.abstract import abstract_model, bytes_per_device
+from jaxsr.plans.compiled import Batch, Plan, Program, plan_batch, plan_scores
+from jaxsr.plans.sources import hf_config_of
+from jaxsr.plans.targets import GIB, Target, target_mesh
+from jaxsr.search.memory import DEVICE_HEADROOM, MemoryPlan, mesh_budget, parse_bytes
+from jaxsr.sharding import data_shards, padded_rows
+
+BUILT_IN_REWARDS = ("self_likelihood", "neg_perplexity", "minilm")
+"""Rewards without a reward model of their own to plan (minilm's encoder is small and not planned)."""
+REWARD_ACCELERATED_BATCH = 32
+"""`ClassifierReward`'s responses per scoring call on an accelerator (`reward_batch`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPlan:
+    """A job's programs compiled for a target, per device."""
+
+    config: JobConfig
+    target: Target
+    mesh: dict[str, int]
+    """The mesh's axes: `data`, `model`."""
+    prompt_tokens: int
+    """The prompt length planned for (padded to its bucket)."""
+    layers: int | None
+    """Every model cut to this many layers (a quick look), or None."""
+    parameter_bytes: dict[str, int]
+    """One device's parameters of each model: `model` (with `draft`), `reward`."""
+    budget_slots: int
+    """KV slots (in every cache of the sampler) of the budget the batch was sized by."""
+    decode: Plan
+    reward: Program | None
+    """The reward model's scoring of `reward_rows` responses of `reward_length` tokens, or None."""
+    reward_rows: int = 0
+    reward_length: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Rows the planned batch decodes at once (mesh padding included)."""
+        return self.decode.batch.prompts * self.decode.batch.rows
+
+    @property
+    def kv_bytes_per_row(self) -> int:
+        """One row's caches (every model's, the rung's length) on the device holding it."""
+        return self.decode.row_cache_bytes * self.mesh["data"] // self.rows
+
+    def peaks(self) -> dict[str, int]:
+        """Each program's peak on one device with what stays resident beside it: the reward model's
+        parameters while decoding; the decoder's parameters, caches and state while scoring."""
+        reward = self.parameter_bytes.get("reward", 0)
+        peaks = {p.name: p.peak_bytes + reward for p in self.decode.programs}
+        if self.reward is not None:
+            held = self.decode.program("decode_loop").argument_bytes
+            peaks[self.reward.name] = self.reward.peak_bytes + held
+        return peaks
+
+    @property
+    def fits(self) -> bool:
+        return max(self.peaks().values()) <= self.target.chip.usable_bytes
+
+    def step(self) -> dict[str, float]:
+        """A decode step's roofline on one chip: its work against the peak FLOP/s, its HBM traffic
+        against the bandwidth; the larger is a lower bound on the step's time."""
+        loop, chip = self.decode.program("decode_loop"), self.target.chip
+        compute, memory = loop.flops / chip.bf16_flops, loop.bytes_accessed / chip.hbm_bytes_per_s
+        seconds = max(compute, memory)
+        return {
+            "flops": loop.flops,
+            "bytes": loop.bytes_accessed,
+            "compute_s": compute,
+            "memory_s": memory,
+            "step_s": seconds,
+            "tokens_per_s": self.rows / seconds if seconds else 0.0,
+        }
+
+    def loop_all_gathers(self) -> int:
+        """All-gathers in one step of the token loop (each moves a tensor whole onto every device)."""
+        return (self.decode.program("decode_loop").step_collectives or {}).get("all-gather", 0)
+
+
+def plan_job(
+    config: JobConfig, target: Target, prompt_tokens: int = 128, layers: int | None = None
+) -> JobPlan:
+    """Compile `config`'s programs for `target` at the batch jaxsr would decode there, for prompts of
+    `prompt_tokens` tokens; `layers` cuts every model to that many layers (quick, for a look)."""
+    mesh = target_mesh(target, config.mesh_data or 1, config.mesh_model)
+    sampler = job_sampler(config, mesh, layers)
+    reward = job_reward_model(config, mesh, layers)
+    parameters = {"model": bytes_per_device(sampler.params)}
+    if reward is not None:
+        parameters["reward"] = bytes_per_device(reward.params)
+    resident = sum(parameters.values())
+    if resident > target.chip.usable_bytes:
+        raise ValueError(
+            f"parameters: {resident / GIB:.2f} GiB per device ({', '.join(parameters)}) exceed the "
+            f"{target.chip.usable_bytes / GIB:.2f} GiB a {target.name} program may use; a larger mesh_model "
+            "splits them over more chips"
+        )
+    prompt_slots = bucket(prompt_tokens)
+    budget = given_slots(config.memory_budget, sampler.slot_bytes)
+    if budget is None:
+        free = target.chip.usable_bytes - resident
+        budget = int(free * DEVICE_HEADROOM) // sampler.slot_bytes
+    batch = job_batch(config, sampler, budget, prompt_slots)
+    decode = plan_batch(sampler, target, batch)
+    plan = JobPlan(config, target, dict(mesh.shape), prompt_slots, layers, parameters, budget, decode, None)
+    if reward is None:
+        return plan
+    rows = padded_rows(fine_bucket(REWARD_ACCELERATED_BATCH), mesh)
+    length = min(fine_bucket(prompt_slots + bucket(config.max_new_tokens), 16), reward.config.context)
+    return dataclasses.replace(
+        plan, reward=plan_scores(reward, target, rows, length), reward_rows=rows, reward_length=length
+    )
+
+
+def cut(hf_config: dict[str, Any], layers: int | None) -> dict[str, Any]:
+    """The config with `layers` layers (as given when None)."""
+    return hf_config if layers is None else {**hf_config, "num_hidden_layers": layers}
+
+
+def abstract_from(source: str, config: JobConfig, mesh: Mesh, layers: int | None, key: str) -> Model:
+    """The abstract model `source` (a job's `key`) names; errors name the key."""
+    try:
+        return abstract_model(cut(hf_config_of(source), layers), mesh, config.dtype)
+    except (ValueError, TypeError, OSError) as e:
+        raise ValueError(f"{key}: {e}") from e
+
+
+def job_sampler(config: JobConfig, mesh: Mesh, layers: int | None) -> Sampler:
+    """The sampler the job decodes with (`build_solver`'s): plain sampling of `model`, or the pair
+    method / `decoder` over (`model`, `draft`)."""
+    model = abstract_from(config.model, config, mesh, layers, "model")
+    kind = PAIR_METHODS.get(config.method, config.decoder)
+    sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+    if kind is None:
+        return as_sampler(model, sampling)
+    draft = abstract_from(config.draft, config, mesh, layers, "draft")
+    options = {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
+    return as_sampler(DECODER_BUILDERS[kind](model, draft, **options), sampling)
+
+
+def job_reward_model(config: JobConfig, mesh: Mesh, layers: int | None) -> RewardModel | None:
+    """The job's reward model (a *ForSequenceClassification config), or None for a built-in reward."""
+    if config.reward is None or config.reward in BUILT_IN_REWARDS:
+        return None
+    model = abstract_from(config.reward, config, mesh, layers, "reward")
+    if not isinstance(model, RewardModel):
+        raise ValueError(
+            f"reward: {config.reward} is a {model.config.model_type} language model, not a "
+            "*ForSequenceClassification reward model"
+        )
+    return model
+
+
+def given_slots(memory_budget: int | str | None, slot_bytes: int) -> int | None:
+    """A job's own `memory_budget` in slots (`budget_slots`' reading of it), or None to derive one."""
+    if memory_budget is None:
+        return None
+    return memory_budget if is_int(memory_budget) else parse_bytes(memory_budget) // slot_bytes
+
+
+def job_batch(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: int) -> Batch:
+    """The first batch the job decodes: Speculative Rejection's first rung of every prompt in flight,
+    Best-of-N's widest batch in `budget` slots, or a batch of `max_rows` (default: `default_rows`)."""
+    mesh, new = sampler.mesh, config.max_new_tokens
+    if config.method == "speculative_rejection":
+        return first_rung(config, sampler, budget, prompt_slots)
+    if config.method == "best_of_n":
+        rows, samples = (
+            best_of_n_rows(budget, prompt_slots, bucket(new) + sampler.headroom, config.n),
+            config.n,
+        )
+    else:
+        rows, samples = config.max_rows or default_rows(sampler), config.num_samples
+    layout = next(batches([[0] * prompt_slots] * rows, samples, rows, mesh))[0]
+    return Batch(layout.prompts, layout.rows, prompt_slots, new)
+
+
+def first_rung(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: int) -> Batch:
+    """Speculative Rejection's first rows of `concurrent_prompts` searches in one batch, each within
+    its share of `budget` (`prompt_budget`: a derived budget counts every `data` shard)."""
+    row, copies = bucket(config.max_new_tokens) + sampler.headroom, config.concurrent_prompts
+    if config.memory_budget is None:
+        budget = mesh_budget(budget // copies, prompt_slots, row, data_shards(sampler.mesh))
+    memory = MemoryPlan(
+        budget, prompt_slots, config.max_new_tokens, config.n, config.rejection_rate,
+        config.min_first_segment, sampler.headroom,
+    )  # fmt: skip
+    first = memory.ladder[0]
+    rows = padded_rows(first, sampler.mesh)
+    return Batch(copies, rows, prompt_slots, config.max_new_tokens, memory.capacity(first))
+
+
+def best_of_n_rows(slots: int, prompt_slots: int, per_row: int, n: int) -> int:
+    """`jaxsr.search.memory.best_of_n_rows`' rows for a budget of `slots` on devices this process
+    cannot ask (it reads a device's free memory; a plan's devices are descriptions)."""
+    if slots < prompt_slots + per_row:
+        raise ValueError(f"memory_budget: {slots} KV slots cannot hold one row ({prompt_slots + per_row})")
+    max_rows = max(1, 1 << ((slots - prompt_slots) // per_row).bit_length() - 1)
+    samples = min(n, max_rows)
+    prompts_per_batch = max(1, slots // (prompt_slots + samples * per_row))
+    return min(max_rows, samples * (1 << (prompts_per_batch.bit_length() - 1)))
