@@ -79,7 +79,7 @@ class Plan:
     programs: tuple[Program, ...]
     """prefill (and the second model's), start (the rows' first tokens), decode_loop."""
     row_cache_bytes: int
-    """One device's shards of the rows' caches (every model's) the token loop writes."""
+    """One device's shards of the rows' keys and values (every model's) the token loop writes."""
 
     def program(self, name: str) -> Program:
         return next(p for p in self.programs if p.name == name)
@@ -158,7 +158,7 @@ def plan_batch(model: Model | Sampler, target: Target, batch: Batch) -> Plan:
             target, "decode_loop", lambda: sampler.compiled_loop(start_c.out_info, caches)
         )
     programs = (*(p for _, p in prefills), start, decode)
-    rows = bytes_per_device(start_c.out_info.rows)
+    rows = bytes_per_device([(cache.k, cache.v) for cache in start_c.out_info.rows])
     return Plan(target, batch, bytes_per_device(sampler.params), programs, rows)
 
 

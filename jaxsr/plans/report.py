@@ -47,7 +47,7 @@ def plan_table(plan: JobPlan) -> str:
         f"model={plan.mesh['model']}, {plan.config.dtype}, prompts of {plan.prompt_tokens} tokens{cut}",
         "per device:",
         *(f"  parameters ({name}): {format_bytes(n)}" for name, n in plan.parameter_bytes.items()),
-        f"  KV cache per row: {format_bytes(plan.kv_bytes_per_row)} ({batch.max_new_tokens} new tokens)",
+        f"  KV cache per row: {format_bytes(plan.kv_bytes_per_row)} (the batch's row caches, every model's)",
         f"  {kind}: {plan.rows} rows ({batch.prompts} prompts × {batch.rows}{segment}) in a budget of "
         f"{plan.budget_slots} KV slots",
     ]
