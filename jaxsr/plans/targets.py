@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
+from pathlib import Path
 
 import jax
 from jax.sharding import Mesh
@@ -89,15 +91,26 @@ def target(name: str) -> Target:
     return Target(str(name), chip, chips)
 
 
+LIBRARY_ENV = "TPU_LIBRARY_PATH"
+"""jax's variable naming a libtpu.so: libtpu kept out of the environment's packages (where every jax
+process on a machine without TPUs would try, and fail noisily, to start it) still describes slices."""
+
+
+def has_libtpu() -> bool:
+    """Whether libtpu can be found: the `libtpu` package, or the file `TPU_LIBRARY_PATH` names."""
+    named = os.environ.get(LIBRARY_ENV)
+    return (named is not None and Path(named).is_file()) or importlib.util.find_spec("libtpu") is not None
+
+
 @functools.cache
 def target_devices(slice_: Target) -> tuple[jax.Device, ...]:
     """The slice's devices as libtpu describes them (raises ImportError without libtpu)."""
     from jax.experimental import topologies
 
-    try:
-        import libtpu  # noqa: F401  (a clear error here rather than an opaque one from the backend)
-    except ImportError as e:
-        raise ImportError("planning for a TPU needs libtpu: pip install 'jaxsr[plan]'") from e
+    if not has_libtpu():  # a clear error here rather than an opaque one from the backend
+        raise ImportError(
+            f"planning for a TPU needs libtpu: pip install 'jaxsr[plan]', or set {LIBRARY_ENV} to a libtpu.so"
+        )
     # a plan compiles, never runs: several processes may describe slices at once (libtpu's lock file
     # otherwise refuses a second process)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
