@@ -24,7 +24,6 @@ from jaxsr.plans import (
     bytes_per_device,
     hf_config_of,
     hlo,
-    job,
     plan_batch,
     target,
     target_mesh,
@@ -218,9 +217,14 @@ def test_shipped_configs_are_the_hub_models_and_plan_offline(monkeypatch):
 
 def test_best_of_n_rows_of_a_plan_are_the_searchs_own():
     sampler = types.SimpleNamespace(slot_bytes=1000, headroom=0, mesh=None)
-    for slots, n, prompt, new in [(4096, 16, 128, 256), (100_000, 8, 64, 512), (700, 4, 128, 128)]:
-        ours = job.best_of_n_rows(slots, bucket(prompt), bucket(new), n)
-        assert ours == memory.best_of_n_rows(sampler, slots, [[0] * prompt], n, new), (slots, n)
+    # (slots, n, prompt, new tokens, rows): n samples in chunks; sixteen prompts of 8 each; one prompt
+    for slots, n, prompt, new, rows in [
+        (4096, 16, 128, 256, 8),
+        (100_000, 8, 64, 512, 128),
+        (700, 4, 128, 128, 4),
+    ]:
+        ours = memory.rows_within(slots, bucket(prompt), bucket(new), n)  # what a plan calls
+        assert ours == rows == memory.best_of_n_rows(sampler, slots, [[0] * prompt], n, new), (slots, n)
 
 
 def reward_checkpoint(tmp_path) -> str:

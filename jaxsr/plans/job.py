@@ -21,7 +21,7 @@ from jaxsr.plans.abstract import abstract_model, bytes_per_device
 from jaxsr.plans.compiled import Batch, Plan, Program, plan_batch, plan_scores
 from jaxsr.plans.sources import hf_config_of
 from jaxsr.plans.targets import GIB, Target, target_mesh
-from jaxsr.search.memory import DEVICE_HEADROOM, MemoryPlan, mesh_budget, parse_bytes
+from jaxsr.search.memory import DEVICE_HEADROOM, MemoryPlan, mesh_budget, parse_bytes, rows_within
 from jaxsr.sharding import data_shards, padded_rows
 
 BUILT_IN_REWARDS = ("self_likelihood", "neg_perplexity", "minilm")
@@ -185,7 +185,7 @@ def job_batch(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: in
         return first_rung(config, sampler, budget, prompt_slots)
     if config.method == "best_of_n":
         rows, samples = (
-            best_of_n_rows(budget, prompt_slots, bucket(new) + sampler.headroom, config.n),
+            rows_within(budget, prompt_slots, bucket(new) + sampler.headroom, config.n),
             config.n,
         )
     else:
@@ -207,14 +207,3 @@ def first_rung(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: i
     first = memory.ladder[0]
     rows = padded_rows(first, sampler.mesh)
     return Batch(copies, rows, prompt_slots, config.max_new_tokens, memory.capacity(first))
-
-
-def best_of_n_rows(slots: int, prompt_slots: int, per_row: int, n: int) -> int:
-    """`jaxsr.search.memory.best_of_n_rows`' rows for a budget of `slots` on devices this process
-    cannot ask (it reads a device's free memory; a plan's devices are descriptions)."""
-    if slots < prompt_slots + per_row:
-        raise ValueError(f"memory_budget: {slots} KV slots cannot hold one row ({prompt_slots + per_row})")
-    max_rows = max(1, 1 << ((slots - prompt_slots) // per_row).bit_length() - 1)
-    samples = min(n, max_rows)
-    prompts_per_batch = max(1, slots // (prompt_slots + samples * per_row))
-    return min(max_rows, samples * (1 << (prompts_per_batch.bit_length() - 1)))

@@ -186,7 +186,12 @@ def best_of_n_rows(
     (each with its own prompt cache) when it holds more."""
     slots = budget_slots(memory_budget, sampler.slot_bytes, mesh=sampler.mesh)
     per_row = bucket(max_new_tokens) + sampler.headroom
-    prompt_slots = bucket(max(map(len, encoded)))
+    return rows_within(slots, bucket(max(map(len, encoded))), per_row, n)
+
+
+def rows_within(slots: int, prompt_slots: int, per_row: int, n: int) -> int:
+    """`best_of_n_rows` for a budget of `slots` KV slots, prompts of `prompt_slots` and rows of
+    `per_row` (the arithmetic alone: a plan's devices cannot be asked for free memory)."""
     if slots < prompt_slots + per_row:
         raise ValueError(f"memory_budget: {slots} KV slots cannot hold one row ({prompt_slots + per_row})")
     max_rows = max(1, 1 << ((slots - prompt_slots) // per_row).bit_length() - 1)
