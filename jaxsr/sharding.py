@@ -14,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
@@ -127,6 +129,51 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 def constrain_rows(tree: T) -> T:
     """Split the leading (row) axis of every array in `tree` over `data` (scalars stay replicated)."""
     return jax.tree.map(lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1)) if x.ndim else x, tree)
+
+
+def gather_rows(tree: T, index: jax.Array, take: Callable[[T, jax.Array], T]) -> T:
+    """`take(tree, index)`: rows `index` of a pytree whose arrays all lead with the row axis, with the
+    rows and the result split over the `data` shards as decoding places them.
+
+    XLA partitions a plain gather across shards by assembling the whole tree (or the whole result) on
+    every device — for a batch's KV caches, more memory than a device has. Here each shard gathers, for
+    every other shard in turn, the rows that shard's part of the result takes from it, and passes them
+    one step round the ring of `data` shards (a collective-permute of one result shard): a device holds
+    its part of the result and one part in transit, never the whole. Without a mesh, or where the
+    shards do not divide the rows and the result, it is `take` itself."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = 1 if mesh.empty else data_shards(mesh)
+    rows = jax.tree.leaves(tree)[0].shape[0]
+    if shards == 1 or rows % shards or index.shape[0] % shards:
+        return take(tree, index)
+
+    def local(part: T, index: jax.Array) -> T:
+        shard = jax.lax.axis_index("data")
+        held, wanted = rows // shards, index.shape[0] // shards
+        own_source = jax.lax.dynamic_slice_in_dim(index, shard * wanted, wanted) // held
+        result = None
+        for shift in range(shards):
+            receiver = (shard + shift) % shards
+            asked = jax.lax.dynamic_slice_in_dim(index, receiver * wanted, wanted) - shard * held
+            sent = take(part, jnp.clip(asked, 0, held - 1))
+            if shift:
+                ring = [(i, (i + shift) % shards) for i in range(shards)]
+                sent = jax.lax.ppermute(sent, "data", ring)
+            came = own_source == (shard - shift) % shards
+            result = sent if result is None else jax.tree.map(partial(_rows_where, came), sent, result)
+            # the next shift's rows are gathered after this one's arrived: one part in transit at a time
+            part, result = jax.lax.optimization_barrier((part, result))
+        return result
+
+    spec = PartitionSpec("data")
+    return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=spec, axis_names={"data"})(
+        tree, index
+    )
+
+
+def _rows_where(rows: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a`'s rows where `rows` [B] is True, `b`'s elsewhere."""
+    return jnp.where(rows.reshape(-1, *[1] * (a.ndim - 1)), a, b)
 
 
 def mesh_of(*models: Any) -> Mesh | None:

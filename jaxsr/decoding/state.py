@@ -21,7 +21,7 @@ import numpy as np
 from flax import struct
 
 from jaxsr.models.cache import RowCache
-from jaxsr.sharding import constrain_rows
+from jaxsr.sharding import constrain_rows, gather_rows
 
 
 @struct.dataclass
@@ -126,7 +126,7 @@ def compact(
     gathered = take_rows(state, index)
     if sample_ids is not None:
         gathered = gathered.replace(sample_id=sample_ids)
-    rows = tuple(r.take(index, cache_capacity) for r in state.rows)
+    rows = gather_rows(state.rows, index, lambda rows, i: tuple(r.take(i, cache_capacity) for r in rows))
     return pin(gathered.replace(done=gathered.done | ~alive, alive=alive, rows=rows))
 
 
