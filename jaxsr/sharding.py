@@ -137,38 +137,43 @@ def gather_rows(tree: T, index: jax.Array, take: Callable[[T, jax.Array], T]) ->
 
     XLA partitions a plain gather across shards by assembling the whole tree (or the whole result) on
     every device — for a batch's KV caches, more memory than a device has. Here each shard gathers, for
-    every other shard in turn, the rows that shard's part of the result takes from it, and passes them
-    one step round the ring of `data` shards (a collective-permute of one result shard): a device holds
-    its part of the result and one part in transit, never the whole. Without a mesh, or where the
+    every other shard in turn, the rows that shard's part of the result takes from it, and sends them
+    there (a collective-permute of one shard's part, array by array): a device holds its part of the
+    result, the rows it sends and one array in transit, never the whole. Without a mesh, or where the
     shards do not divide the rows and the result, it is `take` itself."""
     mesh = jax.sharding.get_abstract_mesh()
     shards = 1 if mesh.empty else data_shards(mesh)
     rows = jax.tree.leaves(tree)[0].shape[0]
     if shards == 1 or rows % shards or index.shape[0] % shards:
         return take(tree, index)
+    return jax.shard_map(
+        partial(_ring_gather, take=take, shards=shards),
+        in_specs=(PartitionSpec("data"), PartitionSpec()),
+        out_specs=PartitionSpec("data"),
+        axis_names={"data"},
+    )(tree, index)
 
-    def local(part: T, index: jax.Array) -> T:
-        shard = jax.lax.axis_index("data")
-        held, wanted = rows // shards, index.shape[0] // shards
-        own_source = jax.lax.dynamic_slice_in_dim(index, shard * wanted, wanted) // held
-        result = None
-        for shift in range(shards):
-            receiver = (shard + shift) % shards
-            asked = jax.lax.dynamic_slice_in_dim(index, receiver * wanted, wanted) - shard * held
-            sent = take(part, jnp.clip(asked, 0, held - 1))
-            if shift:
-                ring = [(i, (i + shift) % shards) for i in range(shards)]
-                sent = jax.lax.ppermute(sent, "data", ring)
-            came = own_source == (shard - shift) % shards
-            result = sent if result is None else jax.tree.map(partial(_rows_where, came), sent, result)
-            # the next shift's rows are gathered after this one's arrived: one part in transit at a time
-            part, result = jax.lax.optimization_barrier((part, result))
-        return result
 
-    spec = PartitionSpec("data")
-    return jax.shard_map(local, in_specs=(spec, PartitionSpec()), out_specs=spec, axis_names={"data"})(
-        tree, index
-    )
+def _ring_gather(part: T, index: jax.Array, *, take: Callable[[T, jax.Array], T], shards: int) -> T:
+    """One `data` shard's part of `gather_rows`' result, from the rows `part` this shard holds."""
+    shard = jax.lax.axis_index("data")
+    held, wanted = jax.tree.leaves(part)[0].shape[0], index.shape[0] // shards
+    source = jax.lax.dynamic_slice_in_dim(index, shard * wanted, wanted) // held
+    result = None
+    for shift in range(shards):
+        asked = jax.lax.dynamic_slice_in_dim(index, (shard + shift) % shards * wanted, wanted) - shard * held
+        sent, treedef = jax.tree.flatten(take(part, jnp.clip(asked, 0, held - 1)))
+        if result is None:
+            result = sent
+            continue
+        came = source == (shard - shift) % shards
+        ring = [(i, (i + shift) % shards) for i in range(shards)]
+        for leaf in range(len(sent)):
+            moved = jax.lax.ppermute(sent[leaf], "data", ring)
+            result[leaf] = _rows_where(came, moved, result[leaf])
+            # one array in transit at a time: the next is sent (and the next shift's gathered) after
+            part, sent, result = jax.lax.optimization_barrier((part, sent, result))
+    return jax.tree.unflatten(treedef, result)
 
 
 def _rows_where(rows: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
