@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -46,9 +47,12 @@ def join_processes(coordinator: str | None, num_processes: int | None, process_i
 def use_compilation_cache() -> None:
     """Keep XLA's compiled programs across runs in `~/.cache/jaxsr/xla` (a second `jaxsr demo`, or a
     job resumed after a kill, skips most compilation), unless JAX_COMPILATION_CACHE_DIR names another
-    place or JAXSR_CACHE_DIR is off."""
+    place or JAXSR_CACHE_DIR is off. An entry that cannot be written (a full disk) or read (one a full
+    disk cut short) is skipped without a warning per program: the run needs no cache (it compiles
+    instead), and a file it does need names the problem itself."""
     if jax.config.jax_compilation_cache_dir is None and cache_root() is not None:
         jax.config.update("jax_compilation_cache_dir", str(Path.home() / ".cache" / "jaxsr" / "xla"))
+    warnings.filterwarnings("ignore", message="Error (writing|reading) persistent compilation cache entry")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -181,16 +185,19 @@ def main(argv: list[str] | None = None) -> int:
         stage_parser.add_argument("--no-progress", action="store_true")
     plan_parser = commands.add_parser(
         "plan",
-        help="will a job fit a TPU slice? its programs compiled for the slice on this CPU machine",
+        help="will a job fit a TPU slice or a GPU host? its programs compiled for it on this CPU machine",
         description="Compiles the job's programs for the target from its models' configs alone (no "
         "weights, no accelerator) at the batch jaxsr would pick there, and prints per device: "
-        "parameters, KV per row, each program's peak against the chip's HBM, the collectives of a "
+        "parameters, KV per row, each program's peak against the chip's memory, the collectives of a "
         "decode step, and a roofline step time (a lower bound).",
     )
     plan_parser.add_argument("config")
     plan_parser.add_argument("overrides", nargs="*", metavar="key=value")
     plan_parser.add_argument(
-        "--target", required=True, help="a Cloud TPU slice: v5e-8, v6e-16, v5p-8, v4-8, ..."
+        "--target",
+        required=True,
+        help="a Cloud TPU slice (v5e-8, v6e-16, v5p-8, v4-8, ...) or NVIDIA GPUs of one host: h100x8, "
+        "h200x8, a100-80x8 (x1, x2, x4 too)",
     )
     plan_parser.add_argument(
         "--prompt-tokens", type=int, default=128, metavar="T", help="prompt length planned for (default 128)"

@@ -21,6 +21,25 @@ def lock_path(output: Path) -> Path:
     return output.with_name(output.name + ".lock")
 
 
+MIN_FREE_BYTES = 2**20
+"""Less room than this where an output goes is a full disk: refused before any model loads."""
+
+
+def _check_room(directory: Path) -> None:
+    """Refuse a directory (or, not made yet, its nearest existing parent) on a full filesystem."""
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), Path("/"))
+    try:
+        stat = os.statvfs(existing)
+    except OSError:  # not a place statvfs can read: creating the lock below names the problem
+        return
+    free = stat.f_bavail * stat.f_frsize
+    if free < MIN_FREE_BYTES:
+        raise ValueError(
+            f"output: {existing} has {free // 1024} KiB free (its disk is full); free some space or "
+            "choose another output"
+        )
+
+
 @contextlib.contextmanager
 def holding(output: Path, beside: Sequence[Path] = ()) -> Iterator[None]:
     """Hold the exclusive lock of `output` for the block (see the module docstring). Refuses with a
@@ -31,6 +50,7 @@ def holding(output: Path, beside: Sequence[Path] = ()) -> Iterator[None]:
             raise ValueError(f"output: {path} is a directory; give a .jsonl file path")
         if path.exists() and not path.is_file():  # a FIFO, a device (a link to one)
             raise ValueError(f"output: {path} is not a regular file")
+    _check_room(output.parent)
     path = lock_path(output)
     created = [p for p in (output.parent, *output.parent.parents) if not p.exists()]
     while True:
@@ -56,8 +76,13 @@ def holding(output: Path, beside: Sequence[Path] = ()) -> Iterator[None]:
             break
         os.close(fd)
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%F %T')}".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(
+                fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%F %T')}".encode()
+            )
+        except OSError as e:  # a full disk takes the file's name but not its first line
+            raise ValueError(f"output: cannot write the lock file {path} ({e.strerror})") from None
         yield
     finally:
         path.unlink(missing_ok=True)  # while still holding it, so no one locks a file about to vanish
