@@ -47,8 +47,9 @@ CHIPS: dict[str, Chip] = {
     "v5e": Chip("v5e", 16 * GIB, int(15.75 * GIB), 197e12, 819e9),
     # https://cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16, HBM 32 GB per chip, 1640 GBps
     "v6e": Chip("v6e", 32 * GIB, int(31.25 * GIB), 918e12, 1640e9),
-    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16, HBM2e 95 GB per chip, 2765 GBps
-    "v5p": Chip("v5p", 95 * GIB, int(95.74 * GIB), 459e12, 2765e9, cores_per_chip=2),
+    # https://cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16, HBM2e "95 GB" per chip, 2765 GBps; libtpu
+    # gives one program 95.74 GiB of it, more than 95 GiB: the chip holds 96 GiB (the page rounds down)
+    "v5p": Chip("v5p", 96 * GIB, int(95.74 * GIB), 459e12, 2765e9, cores_per_chip=2),
     # https://cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16, HBM2 32 GiB per chip, 1200 GBps
     "v4": Chip("v4", 32 * GIB, int(30.75 * GIB), 275e12, 1200e9, "megacore", cores_per_chip=2),
 }
