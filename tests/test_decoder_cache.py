@@ -7,6 +7,7 @@ rolling a row back by its `length` and decoding different tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import hf_fixtures as H
@@ -106,6 +107,8 @@ def _decode(graph, params, tokens, positions, prompt, rows) -> tuple[jax.Array, 
 
 def _garbage_rows(cfg: DecoderConfig, rows: int, capacity: int, seed: int = 7) -> RowCache:
     """An empty RowCache whose slots hold large random values (must never be attended)."""
+    if cfg.quantized_kv:
+        return _garbage_int8_rows(cfg, rows, capacity, seed)
     rng = np.random.default_rng(seed)
     noise = lambda *shape: jnp.asarray(10.0 * rng.standard_normal(shape), jnp.float32)
     K, D, layers = cfg.num_kv_heads, cfg.head_dim, range(cfg.num_layers)
@@ -274,3 +277,104 @@ def test_loaded_hf_model_cached_decode(hf, family):
         full_tokens, full_mask = _full_batch(prompt_tokens, prompt_mask, list(generated), group)
         expected = H.torch_logits(torch_model, full_tokens, full_mask)[:, -N:]
         np.testing.assert_allclose(cached, expected, atol=TOL, rtol=0)
+
+
+# -- int8 caches (`DecoderConfig.kv_dtype`) -----------------------------------------------------------
+
+INT8_TOL = 0.05
+"""Cached vs full forward of one int8-cache model: both attend to int8 keys/values, so they agree to
+float32 rounding (as TOL) except where a projection's rounding puts one element on the other side of an
+int8 rounding boundary, one quantum apart: measured at most 0.016 (mean 5.6e-4) on these models. A key
+read at a wrong slot, a scale misapplied or a garbage slot attended moves logits by O(1)."""
+INT8_MEAN_TOL = 2e-3
+"""The mean |difference| over all logits, for the same comparison (the float model's logits differ from
+the int8 model's by a mean of 5e-3 to 8e-3)."""
+
+
+def _int8(cfg: DecoderConfig) -> DecoderConfig:
+    return dataclasses.replace(cfg, kv_dtype="int8")
+
+
+def _garbage_int8_rows(cfg: DecoderConfig, rows: int, capacity: int, seed: int = 7) -> RowCache:
+    """An empty int8 RowCache whose slots hold random int8 values and large scales (never attended)."""
+    rng = np.random.default_rng(seed)
+    ints = lambda *shape: jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
+    scales = lambda: jnp.asarray(rng.uniform(0.5, 2.0, (rows, cfg.num_kv_heads, capacity)), jnp.float32)
+    K, D, layers = cfg.num_kv_heads, cfg.head_dim, range(cfg.num_layers)
+    return RowCache(
+        k=tuple(ints(rows, K, D, capacity) for _ in layers),
+        v=tuple(ints(rows, K, capacity, D) for _ in layers),
+        length=jnp.zeros((rows,), jnp.int32),
+        k_scale=tuple(scales() for _ in layers),
+        v_scale=tuple(scales() for _ in layers),
+    )
+
+
+def _assert_int8_close(got: np.ndarray, expected: np.ndarray) -> None:
+    diff = np.abs(np.asarray(got) - np.asarray(expected))
+    assert diff.max() <= INT8_TOL and diff.mean() <= INT8_MEAN_TOL, (diff.max(), diff.mean())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+@pytest.mark.parametrize("step", [1, 3], ids=["T1", "T3"])
+def test_int8_cached_decode_matches_the_int8_full_forward(kind, step):
+    """2 prompts × 2 rows: prefill, then decode `step` tokens per call into int8 row caches whose free
+    slots hold garbage; the logits are the int8 model's full forward's (which attends to its keys as
+    stored), and the keys decoding writes are those the full forward stores for the same tokens."""
+    cfg = _int8(CONFIGS[kind])
+    graph, params = _random_module(cfg)
+    prompt_tokens, prompt_mask = _prompts(2)
+    B, N, group = 4, 6, 2
+    generated = np.random.default_rng(100).integers(1, cfg.vocab_size, (B, N))
+    logits_prompt, cached = _cached_logits(
+        graph, params, cfg, prompt_tokens, prompt_mask, generated, group, step
+    )
+    full_tokens, full_mask = _full_batch(prompt_tokens, prompt_mask, list(generated), group)
+    full, full_cache = _prefill(graph, params, full_tokens, full_mask)
+    _assert_int8_close(cached, np.asarray(full)[:, -N:])
+    for b in range(B):
+        n = int(prompt_mask[b // group].sum())
+        _assert_int8_close(logits_prompt[b // group, -n:], np.asarray(full)[b, -N - n : -N])
+
+    _, prompt = _prefill(graph, params, prompt_tokens, prompt_mask)
+    P, S = prompt_mask.shape
+    assert prompt.k[0].dtype == jnp.int8 and prompt.k_scale[0].shape == (P, cfg.num_kv_heads, S)
+    positions = np.repeat(np.asarray(prompt.length), group)[:, None] + np.arange(N)
+    _, rows = _decode(graph, params, generated, positions, prompt, _garbage_rows(cfg, B, CAPACITY))
+    for layer in range(cfg.num_layers):  # row slots [0, N) hold the last N positions of the full pass
+        written = np.asarray(rows.k[layer][..., :N], np.int32)
+        stored = np.asarray(full_cache.k[layer][..., -N:], np.int32)
+        assert np.abs(written - stored).max() <= 1 and (written != stored).mean() < 0.01
+        np.testing.assert_allclose(
+            rows.v_scale[layer][..., :N], full_cache.v_scale[layer][..., -N:], rtol=1e-5
+        )
+    float_full, _ = _prefill(*_random_module(CONFIGS[kind]), full_tokens, full_mask)
+    assert np.abs(np.asarray(float_full) - np.asarray(full)).max() > 1e-2  # the int8 model is another
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_int8_rollback_ignores_stale_slots(kind):
+    """As test_rollback_ignores_stale_slots, with int8 caches: stale keys and their scales are never
+    read after a row rolls back by its `length`."""
+    cfg = _int8(CONFIGS[kind])
+    graph, params = _random_module(cfg)
+    prompt_tokens, prompt_mask = _prompts(2, seed=5)
+    rng = np.random.default_rng(11)
+    first, second = rng.integers(1, cfg.vocab_size, (4, 3)), rng.integers(1, cfg.vocab_size, (4, 3))
+    kept = np.array([3, 1, 0, 2])
+    _, prompt = _prefill(graph, params, prompt_tokens, prompt_mask)
+    start = np.repeat(np.asarray(prompt.length), 2)
+    _, rows = _decode(
+        graph, params, first, start[:, None] + np.arange(3), prompt, _garbage_int8_rows(cfg, 4, 8)
+    )
+    rows = rows.replace(length=jnp.asarray(kept, jnp.int32))
+    got, _ = _decode(graph, params, second, (start + kept)[:, None] + np.arange(3), prompt, rows)
+    sequences = [np.concatenate([first[b, : kept[b]], second[b]]) for b in range(4)]
+    full, _ = _prefill(graph, params, *_full_batch(prompt_tokens, prompt_mask, sequences, 2))
+    _assert_int8_close(np.asarray(got), np.asarray(full)[:, -3:])
+    stale = [np.concatenate([first[b], second[b]]) for b in range(4)]
+    full_stale, _ = _prefill(graph, params, *_full_batch(prompt_tokens, prompt_mask, stale, 2))
+    rolled_back = kept < 3
+    assert np.abs(np.asarray(got)[rolled_back] - np.asarray(full_stale)[rolled_back, -3:]).max() > 0.1

@@ -12,13 +12,14 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxsr.models.cache import KV, cache_layout
 from jaxsr.models.layers import MASKED, soft_cap
 
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """Keys [N, kv_heads, head_dim, S], values [N, kv_heads, S, head_dim], and which of them each query
-    may see.
+    may see; an int8 segment has float32 scales [N, kv_heads, S] (`jaxsr.models.cache`).
 
     `shared=True`: N is the number of prompts, row b belongs to prompt b // (B // N) (G = B // N rows per
     prompt), and `mask` is [N, S] (the same for every query of the prompt's rows) or, where queries see
@@ -30,11 +31,18 @@ class Segment:
     v: jax.Array
     mask: jax.Array
     shared: bool
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    @classmethod
+    def of(cls, kv: KV, mask: jax.Array, shared: bool = False) -> Segment:
+        """A segment over one cache layer `kv`."""
+        return cls(kv.k, kv.v, mask, shared, kv.k_scale, kv.v_scale)
 
     @classmethod
     def from_projections(cls, k: jax.Array, v: jax.Array, mask: jax.Array, shared: bool = False) -> Segment:
         """A segment from fresh projections k, v: [N, S, kv_heads, head_dim] (put in cache layout)."""
-        return cls(k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask, shared)
+        return cls.of(cache_layout(k, v, quantized=False), mask, shared)
 
 
 def attend(q: jax.Array, segments: list[Segment], scale: float, softcap: float | None = None) -> jax.Array:
@@ -44,49 +52,67 @@ def attend(q: jax.Array, segments: list[Segment], scale: float, softcap: float |
 
     Queries are laid out per KV head as [B, kv_heads, T·R, head_dim] (R query heads share a KV head), so
     every product is a plain batched matmul over (row, kv head); a degenerate T=1 axis inside the
-    contraction makes XLA:CPU several times slower."""
+    contraction makes XLA:CPU several times slower. Int8 keys and values enter the matmuls as q's dtype
+    and their scales are applied per slot: to the scores after q·k, and to the probabilities before p·v
+    (the weighted sum of scaled values is the sum of scaled weights times the int8 values)."""
     B, T, H, D = q.shape
     K = segments[0].k.shape[1]
     R = H // K
     M = T * R
     rows = q.reshape(B, T, K, R, D).transpose(0, 2, 1, 3, 4).reshape(B, K, M, D)
-    scores = []
-    for seg in segments:
-        S = seg.k.shape[-1]
-        if seg.shared:
-            P = seg.k.shape[0]
-            grouped = _to_prompt_groups(rows, P)
-            s = jnp.einsum("pkmd,pkds->pkms", grouped, seg.k, preferred_element_type=jnp.float32)
-            if seg.mask.ndim == 2:
-                mask = seg.mask[:, None, None, :]
-            else:  # per query [P, G, T, S], laid out as the grouped queries (g, t, r)
-                G = B // P
-                mask = jnp.broadcast_to(seg.mask[:, :, :, None, :], (P, G, T, R, S)).reshape(P, 1, G * M, S)
-            s = jnp.where(mask, soft_cap(s * scale, softcap), MASKED)
-            s = _from_prompt_groups(s, B)
-        else:
-            s = jnp.einsum("bkmd,bkds->bkms", rows, seg.k, preferred_element_type=jnp.float32)
-            n = seg.mask.shape[0]
-            mask = jnp.broadcast_to(seg.mask[:, None, :, None, :], (n, 1, T, R, S)).reshape(n, 1, M, S)
-            s = jnp.where(mask, soft_cap(s * scale, softcap), MASKED)
-        scores.append(s)
+    scores = [_segment_scores(rows, seg, T, scale, softcap) for seg in segments]
     probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
     out = jnp.zeros((B, K, M, D), jnp.float32)
     start = 0
     for seg in segments:
         S = seg.k.shape[-1]
-        p = probs[..., start : start + S].astype(seg.v.dtype)
+        out = out + _weighted(probs[..., start : start + S], seg, q.dtype)
         start += S
-        if seg.shared:
-            P = seg.k.shape[0]
-            o = jnp.einsum(
-                "pkms,pksd->pkmd", _to_prompt_groups(p, P), seg.v, preferred_element_type=jnp.float32
-            )
-            out = out + _from_prompt_groups(o, B)
-        else:
-            out = out + jnp.einsum("bkms,bksd->bkmd", p, seg.v, preferred_element_type=jnp.float32)
     out = out.reshape(B, K, T, R, D).transpose(0, 2, 1, 3, 4)
     return out.reshape(B, T, H, D).astype(q.dtype)
+
+
+def _segment_scores(rows: jax.Array, seg: Segment, T: int, scale: float, softcap: float | None) -> jax.Array:
+    """Float32 scores [B, K, M, S] of queries `rows` [B, K, M, D] (M = T·R) against the segment's keys:
+    q·k (k's scales applied), scaled, soft-capped, and `MASKED` where the query does not see the key.
+    A shared segment is computed per prompt group (one matmul against the prompt's keys)."""
+    B = rows.shape[0]
+    queries = _to_prompt_groups(rows, seg.k.shape[0]) if seg.shared else rows
+    if seg.k_scale is None:
+        s = jnp.einsum("nkmd,nkds->nkms", queries, seg.k, preferred_element_type=jnp.float32)
+    else:
+        s = jnp.einsum(
+            "nkmd,nkds->nkms", queries, seg.k.astype(rows.dtype), preferred_element_type=jnp.float32
+        )
+        s = s * seg.k_scale[:, :, None, :]
+    s = jnp.where(_mask(seg, B, T, rows.shape[2] // T), soft_cap(s * scale, softcap), MASKED)
+    return _from_prompt_groups(s, B) if seg.shared else s
+
+
+def _mask(seg: Segment, B: int, T: int, R: int) -> jax.Array:
+    """Which keys each query sees, broadcastable to the (grouped) scores of `_segment_scores`."""
+    S = seg.k.shape[-1]
+    if seg.shared and seg.mask.ndim == 2:
+        return seg.mask[:, None, None, :]
+    if seg.shared:  # per query [P, G, T, S], laid out as the grouped queries (g, t, r)
+        P = seg.k.shape[0]
+        G = B // P
+        return jnp.broadcast_to(seg.mask[:, :, :, None, :], (P, G, T, R, S)).reshape(P, 1, G * T * R, S)
+    n = seg.mask.shape[0]
+    return jnp.broadcast_to(seg.mask[:, None, :, None, :], (n, 1, T, R, S)).reshape(n, 1, T * R, S)
+
+
+def _weighted(p: jax.Array, seg: Segment, dtype: jnp.dtype) -> jax.Array:
+    """Float32 p·v [B, K, M, D] of the segment's probabilities `p` [B, K, M, S] and values, v's scales
+    folded into the probabilities; int8 values enter the matmul as `dtype`."""
+    B = p.shape[0]
+    if seg.shared:
+        p = _to_prompt_groups(p, seg.k.shape[0])
+    if seg.v_scale is not None:
+        p = p * seg.v_scale[:, :, None, :]
+    v = seg.v if seg.v_scale is None else seg.v.astype(dtype)
+    o = jnp.einsum("nkms,nksd->nkmd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return _from_prompt_groups(o, B) if seg.shared else o
 
 
 def _to_prompt_groups(x: jax.Array, prompts: int) -> jax.Array:

@@ -7,9 +7,16 @@ Each layer has its own arrays (a tuple over layers), so a decode step reads and 
 Keys are stored transposed, [rows, kv_heads, head_dim, slots], and values as [rows, kv_heads, slots,
 head_dim], so both attention products are plain batched matmuls over (row, head) with no transpose of the
 cache in the decode step.
+
+An int8 cache (`DecoderConfig.kv_dtype`) stores keys and values as int8 beside float32 scales
+[rows, kv_heads, slots] (`k_scale`, `v_scale`; empty tuples in a float cache): the key (value) of a token
+in a KV head is scale · int8, its scale its absmax / 127. Attention applies the scales per slot to the
+scores and to the probabilities (`jaxsr.models.attention`), so the cache is never dequantized whole.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,19 +26,68 @@ from jaxsr.sharding import constrain, constrain_rows
 
 Layers = tuple[jax.Array, ...]
 KV_AXES = ("batch", "kv_heads", None, None)
+SCALE_AXES = ("batch", "kv_heads", None)
+INT8_MAX = 127
+
+
+class KV(NamedTuple):
+    """One layer's keys [N, kv_heads, head_dim, S] and values [N, kv_heads, S, head_dim], with their
+    scales [N, kv_heads, S] in an int8 cache (None in a float one)."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+
+def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., head_dim] → (int8 [..., head_dim], float32 scale [...]) with x ≈ int8 · scale: symmetric
+    absmax per vector, so every token's key (value) in every KV head keeps its own range."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / INT8_MAX
+    q = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
+
+
+def cache_layout(k: jax.Array, v: jax.Array, quantized: bool) -> KV:
+    """Fresh projections k, v [N, S, kv_heads, head_dim] as a layer is stored: transposed into the cache
+    layout, and int8 with their scales when `quantized`."""
+    if not quantized:
+        return KV(k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
+    (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
+    return KV(
+        k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), k_scale.swapaxes(1, 2), v_scale.swapaxes(1, 2)
+    )
+
+
+def _layer(cache, layer: int) -> KV:
+    """Layer `layer` of a prompt or row cache."""
+    if not cache.k_scale:
+        return KV(cache.k[layer], cache.v[layer])
+    return KV(cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer])
+
+
+def _layers(layers: list[KV]) -> dict[str, Layers]:
+    """The cache fields holding `layers` (the scales empty in a float cache)."""
+    fields = dict(k=tuple(kv.k for kv in layers), v=tuple(kv.v for kv in layers), k_scale=(), v_scale=())
+    if layers[0].k_scale is not None:
+        fields |= dict(k_scale=tuple(kv.k_scale for kv in layers), v_scale=tuple(kv.v_scale for kv in layers))
+    return fields
 
 
 def _constrained(cache):
-    """Under a mesh: rows (prompts) over `data`, KV heads over `model`."""
-    k = tuple(constrain(x, KV_AXES) for x in cache.k)
-    v = tuple(constrain(x, KV_AXES) for x in cache.v)
-    return constrain_rows(cache.replace(k=(), v=())).replace(k=k, v=v)
+    """Under a mesh: rows (prompts) over `data`, KV heads over `model` (the scales as their cache)."""
+    pinned = {name: tuple(constrain(x, KV_AXES) for x in getattr(cache, name)) for name in ("k", "v")}
+    for name in ("k_scale", "v_scale"):
+        pinned[name] = tuple(constrain(x, SCALE_AXES) for x in getattr(cache, name))
+    empty = dict.fromkeys(pinned, ())
+    return constrain_rows(cache.replace(**empty)).replace(**pinned)
 
 
 @struct.dataclass
 class PromptCache:
     """Per layer: keys [prompts, kv_heads, head_dim, S] and values [prompts, kv_heads, S, head_dim] of
-    left-padded prompts."""
+    left-padded prompts (and their scales [prompts, kv_heads, S] in an int8 cache)."""
 
     k: Layers
     v: Layers
@@ -39,18 +95,26 @@ class PromptCache:
     """[prompts, S] bool, False on left padding."""
     length: jax.Array
     """[prompts] int32, number of real prompt tokens (the position of the first generated token)."""
+    k_scale: Layers = ()
+    v_scale: Layers = ()
+
+    @classmethod
+    def of_layers(cls, layers: list[KV], mask: jax.Array) -> PromptCache:
+        """The cache of prompts `mask` [prompts, S] whose layers hold `layers`."""
+        return cls(**_layers(layers), mask=mask, length=mask.sum(-1).astype(jnp.int32))
 
     @property
     def num_prompts(self) -> int:
         return self.mask.shape[0]
 
+    layer = _layer
     constrained = _constrained
 
 
 @struct.dataclass
 class RowCache:
     """Per layer: keys [rows, kv_heads, head_dim, capacity] and values [rows, kv_heads, capacity, head_dim]
-    of generated tokens.
+    of generated tokens (and their scales [rows, kv_heads, capacity] in an int8 cache).
 
     Row b's slots [0, length[b]) are valid; rolling back (rejected speculative tokens) or freezing a row
     is done by its `length` alone, never by clearing memory.
@@ -59,42 +123,68 @@ class RowCache:
     k: Layers
     v: Layers
     length: jax.Array
+    k_scale: Layers = ()
+    v_scale: Layers = ()
 
     @classmethod
     def empty_like(cls, prompt: PromptCache, rows: int, capacity: int) -> RowCache:
         """An empty cache for `rows` rows decoding from `prompt` (same model, dtype and layout)."""
+        scales = lambda xs: tuple(jnp.zeros((rows, x.shape[1], capacity), x.dtype) for x in xs)
         return cls(
             k=tuple(jnp.zeros((rows, *k.shape[1:3], capacity), k.dtype) for k in prompt.k),
             v=tuple(jnp.zeros((rows, v.shape[1], capacity, v.shape[3]), v.dtype) for v in prompt.v),
             length=jnp.zeros((rows,), jnp.int32),
+            k_scale=scales(prompt.k_scale),
+            v_scale=scales(prompt.v_scale),
         )
 
     @property
     def capacity(self) -> int:
         return self.k[0].shape[-1]
 
+    layer = _layer
     constrained = _constrained
 
-    def write_layer(
-        self, cache_k: jax.Array, cache_v: jax.Array, k: jax.Array, v: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        """One layer's cache with new keys/values [rows, T, kv_heads, head_dim] stored at slots
-        length + [0, T); slots past the capacity are dropped. Inside a jitted loop whose state is
-        donated this is an in-place scatter of only the new entries."""
+    def write_layer(self, layer: int, k: jax.Array, v: jax.Array) -> KV:
+        """Layer `layer` with new keys/values [rows, T, kv_heads, head_dim] stored at slots
+        length + [0, T) (quantized in an int8 cache); slots past the capacity are dropped. Inside a
+        jitted loop whose state is donated this is an in-place scatter of only the new entries."""
         B, T = k.shape[:2]
         slots = self.length[:, None] + jnp.arange(T)[None, :]
         rows = jnp.arange(B)[:, None]
-        # advanced indices (row, slot) come first in the indexed shape: [B, T, K, D]
-        return (
-            cache_k.at[rows, :, :, slots].set(k, mode="drop"),
-            cache_v.at[rows, :, slots].set(v, mode="drop"),
+        old = self.layer(layer)
+        # advanced indices (row, slot) come first in the indexed shape: [B, T, K, D] and [B, T, K]
+        if old.k_scale is None:
+            return KV(
+                old.k.at[rows, :, :, slots].set(k, mode="drop"), old.v.at[rows, :, slots].set(v, mode="drop")
+            )
+        (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
+        return KV(
+            old.k.at[rows, :, :, slots].set(k, mode="drop"),
+            old.v.at[rows, :, slots].set(v, mode="drop"),
+            old.k_scale.at[rows, :, slots].set(k_scale, mode="drop"),
+            old.v_scale.at[rows, :, slots].set(v_scale, mode="drop"),
         )
 
+    def with_layers(self, layers: list[KV]) -> RowCache:
+        """This cache holding `layers` (its `length` unchanged)."""
+        return self.replace(**_layers(layers))
+
     def take(self, index: jax.Array, capacity: int | None = None) -> RowCache:
-        """Rows at `index` (compaction), optionally with a new slot capacity (kept slots are unchanged)."""
+        """Rows at `index` (compaction), optionally with a new slot capacity (kept slots are unchanged):
+        every field is gathered by row, and every array with slots cut or padded on its slot axis."""
         capacity = self.capacity if capacity is None else capacity
-        keep = min(capacity, self.capacity)
-        extra = max(capacity - self.capacity, 0)
-        k = tuple(jnp.pad(k[index][..., :keep], [(0, 0)] * 3 + [(0, extra)]) for k in self.k)
-        v = tuple(jnp.pad(v[index][:, :, :keep], [(0, 0)] * 2 + [(0, extra), (0, 0)]) for v in self.v)
-        return RowCache(k=k, v=v, length=self.length[index])
+
+        def slots(x: jax.Array, axis: int) -> jax.Array:
+            x = jax.lax.slice_in_dim(x[index], 0, min(capacity, x.shape[axis]), axis=axis)
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (0, capacity - x.shape[axis])
+            return jnp.pad(x, pad)
+
+        return RowCache(
+            k=tuple(slots(k, 3) for k in self.k),
+            v=tuple(slots(v, 2) for v in self.v),
+            length=self.length[index],
+            k_scale=tuple(slots(s, 2) for s in self.k_scale),
+            v_scale=tuple(slots(s, 2) for s in self.v_scale),
+        )

@@ -15,11 +15,16 @@ in a windowed layer (`DecoderConfig.sliding_layers`) key k is visible to query q
 q - k < W (the query sees W keys, itself included). The windowed masks are built once per call and
 shared by every windowed layer; other layers, and models without a window, use the plain causal masks.
 
+With `DecoderConfig.kv_dtype="int8"` both caches hold int8 keys and values with float32 scales
+(`jaxsr.models.cache`), and prefill attends to its keys/values as stored, as decoding does.
+
 A reduced output layer (`DecoderConfig.head_token_ids`) scores only its K ids: `head_logits` gives
 those K columns, `logits` scatters them into the vocabulary with -inf elsewhere.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsr.models.attention import Segment, attend
-from jaxsr.models.cache import PromptCache, RowCache
+from jaxsr.models.cache import PromptCache, RowCache, cache_layout
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.layers import ACTIVATIONS, Norm, apply_rope, param, rope_inverse_frequencies, soft_cap
 
@@ -124,6 +129,10 @@ class Decoder(nnx.Module):
         self.lm_head = param(rngs, (cfg.hidden_size, cfg.head_size), dtype) if has_head else None
         self.score = param(rngs, (cfg.hidden_size, cfg.num_labels), dtype) if cfg.num_labels else None
 
+    def use_kv_dtype(self, kv_dtype: str | None) -> None:
+        """Store keys and values as `kv_dtype` from now on (`DecoderConfig.kv_dtype`, checked there)."""
+        self.config = dataclasses.replace(self.config, kv_dtype=kv_dtype)
+
     # -- pieces -------------------------------------------------------------------------------
     def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         x = jnp.take(self.embed[...], tokens, axis=0)
@@ -174,15 +183,15 @@ class Decoder(nnx.Module):
         if self._any_windowed:  # distances in slots, as transformers: position distances of padded rows
             local = visible & ~jnp.tril(jnp.ones((S, S), bool), -self.config.sliding_window)[None]
         x = self._embed(tokens, positions)
-        keys, values = [], []
+        layers = []
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(layer, x, positions)
-            segment = Segment.from_projections(k, v, local if self.config.is_windowed(layer) else visible)
+            # an int8 cache is attended to as stored, as decoding will attend to it
+            kv = cache_layout(k, v, self.config.quantized_kv)
+            segment = Segment.of(kv, local if self.config.is_windowed(layer) else visible)
             x = self._finish_block(block, x, self._attend(q, [segment]))
-            keys.append(segment.k)
-            values.append(segment.v)
-        cache = PromptCache(k=tuple(keys), v=tuple(values), mask=mask, length=mask.sum(-1).astype(jnp.int32))
-        return self.final_norm(x), cache
+            layers.append(kv)
+        return self.final_norm(x), PromptCache.of_layers(layers, mask)
 
     def decode(
         self, tokens: jax.Array, positions: jax.Array, prompt: PromptCache, rows: RowCache
@@ -213,22 +222,18 @@ class Decoder(nnx.Module):
             near = i + (S - jnp.arange(S))[None, None, :] < W
             prompt_local = prompt.mask[:, None, None, :] & near.reshape(P, B // P, T, S)
         x = self._embed(tokens, positions)
-        keys, values = [], []
+        layers = []
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(layer, x, positions)
             # write first, then attend over the written cache: the read depends on the write, so a
             # donated cache is updated in place (reading first makes XLA copy it to order the two)
-            cache_k, cache_v = rows.write_layer(rows.k[layer], rows.v[layer], k, v)
+            kv = rows.write_layer(layer, k, v)
             windowed = self.config.is_windowed(layer)
             seen, own = (prompt_local, row_local) if windowed else (prompt.mask, visible)
-            segments = [
-                Segment(prompt.k[layer], prompt.v[layer], seen, shared=True),
-                Segment(cache_k, cache_v, own, shared=False),
-            ]
+            segments = [Segment.of(prompt.layer(layer), seen, shared=True), Segment.of(kv, own)]
             x = self._finish_block(block, x, self._attend(q, segments))
-            keys.append(cache_k)
-            values.append(cache_v)
-        return self.final_norm(x), rows.replace(k=tuple(keys), v=tuple(values))
+            layers.append(kv)
+        return self.final_norm(x), rows.with_layers(layers)
 
     def head_logits(self, hidden: jax.Array) -> jax.Array:
         """The output layer's logits [..., head_size] in float32 (soft-capped where the config says

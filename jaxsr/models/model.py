@@ -140,8 +140,19 @@ class Model:
 
     @property
     def kv_slot_bytes(self) -> int:
-        """Bytes of K and V that one token position takes in this model's cache."""
+        """Bytes of K and V that one token position takes in this model's cache (an int8 cache's scales
+        included)."""
         return self.config.kv_bytes_per_token(jnp.dtype(self.dtype).itemsize)
+
+    def with_kv_dtype(self, kv_dtype: str | None) -> Model:
+        """This model (the same parameters) with its KV cache stored as `kv_dtype`: None (its dtype) or
+        `int8` (`DecoderConfig.kv_dtype`)."""
+        module = self.module
+        module.use_kv_dtype(kv_dtype)
+        if module.config == self.config:
+            return self
+        graph, _ = nnx.split(module)
+        return dataclasses.replace(self, config=module.config, graph=graph)
 
     def token_batch(self, token_ids: Any, attention_mask: Any = None) -> tuple[jax.Array, jax.Array]:
         """`as_token_batch` with this model's vocabulary, and a length the context holds."""
