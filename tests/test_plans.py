@@ -1,6 +1,7 @@
-"""Plans: jaxsr's programs compiled for a TPU v5e-8 on this CPU machine (libtpu's topology descriptions),
-for a model of real structure — Llama-3.1-8B's widths cut to 2 layers, bf16 — built from its config
-alone. The TPU compiles are a backend of their own: XLA_FLAGS' fake CPU devices play no part."""
+"""Plans: jaxsr's programs compiled for a TPU v5e-8 (libtpu's topology descriptions) and for 8 H100s (jax's
+CUDA plugin given the GPU's figures) on this CPU machine, for a model of real structure — Llama-3.1-8B's
+widths cut to 2 layers, bf16 — built from its config alone. The TPU and GPU compiles are backends of
+their own: XLA_FLAGS' fake CPU devices play no part."""
 
 from __future__ import annotations
 
@@ -16,26 +17,36 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jaxsr.cli import main
+from jaxsr.decoding import loop
 from jaxsr.ladder import bucket
 from jaxsr.loading.hf_config import decoder_config_from_hf
 from jaxsr.plans import (
     Batch,
     abstract_model,
     bytes_per_device,
+    gpus,
     hf_config_of,
     hlo,
     plan_batch,
     target,
     target_mesh,
 )
+from jaxsr.plans.compiled import abstract_tokens, compile_for
 from jaxsr.plans.targets import LIBRARY_ENV, has_libtpu
 from jaxsr.search import memory
+from jaxsr.sharding import on_mesh
 
 SIDE_LIBTPU = Path(sys.prefix) / "libtpu" / "libtpu" / "libtpu.so"
 """Where `make setup` puts libtpu: beside the environment's packages, not among them."""
 needs_libtpu = pytest.mark.skipif(
     not (has_libtpu() or SIDE_LIBTPU.is_file()),
     reason="libtpu not found (make setup puts it in .venv/libtpu)",
+)
+
+
+needs_cuda_plan = pytest.mark.skipif(
+    not gpus.has_cuda_plan(),
+    reason="jax's CUDA plugin or ptxas not found (make setup puts them in .venv/cuda-plan)",
 )
 
 
@@ -69,6 +80,7 @@ LLAMA_31_8B_2_LAYERS = {
 }
 BATCH = Batch(prompts=1, rows=8, prompt_slots=128, max_new_tokens=32)
 V5E_8 = target("v5e-8")
+H100_8 = target("h100x8")
 
 
 def parameter_count(hf: dict) -> tuple[int, int]:
@@ -87,6 +99,41 @@ def test_targets_are_named_as_google_cloud_names_slices():
     for bad in ("v5e", "v5e-3", "v5p-3", "h100-8", "v5e-x"):
         with pytest.raises(ValueError, match="target"):
             target(bad)
+
+
+def test_gpu_targets_are_named_by_the_gpu_and_how_many_one_host_holds():
+    assert (H100_8.chips, H100_8.chip.kind, H100_8.chip.platform) == (8, "h100", "cuda")
+    assert target("a100-80x4").chips == 4 and target("h200x1").chip.hbm_bytes == 143771 * 2**20
+    # a program gets the share of the GPU's memory JAX's allocator takes by default
+    assert H100_8.chip.usable_bytes == int(0.75 * 81559 * 2**20)
+    for bad in ("h100x3", "h100x16", "h100x"):
+        with pytest.raises(ValueError, match=r"is no h100 host .*\(1, 2, 4, 8\)"):
+            target(bad)
+    for bad in ("h100", "b200x8", "x8"):
+        with pytest.raises(ValueError, match=r"like v5e-8 or h100x8 .*GPU hosts a100-80xN, h100xN, h200xN"):
+            target(bad)
+
+
+def test_a_gpu_is_described_to_xla_from_its_published_figures():
+    config = gpus.target_config(gpus.GPUS["h100"])
+    assert (
+        config.startswith("gpu_device_info {") and 'device_description_str: "NVIDIA H100 80GB HBM3"' in config
+    )
+    for field in ("core_count: 132", "threads_per_warp: 32", "block_dim_limit_x: 2147483647",
+                  "shared_memory_per_block_optin: 232448", "device_memory_size: 85520809984",
+                  "cuda_compute_capability { major: 9 minor: 0 }", 'platform_name: "CUDA"'):  # fmt: skip
+        assert field in config
+    assert "collective_memory_granularity" not in config  # jaxlib 0.10.2 refuses it
+    assert "major: 8 minor: 0" in gpus.target_config(gpus.GPUS["a100-80"])
+
+
+def test_a_gpu_plan_without_the_cuda_plugin_says_what_to_install(monkeypatch):
+    from jaxlib import xla_client
+
+    monkeypatch.setattr(xla_client, "pjrt_plugin_loaded", lambda name: False)
+    monkeypatch.setattr(gpus, "plugin_location", lambda: None)
+    with pytest.raises(ImportError, match=r"pip install 'jaxsr\[plan\]'.*cuda-plan"):
+        gpus.cuda_devices(gpus.GPUS["h100"], 8)
 
 
 HLO = """\
@@ -127,6 +174,78 @@ def test_collectives_are_counted_per_program_and_per_loop_step():
     assert counts["all-reduce"] == 2 and counts["all-gather"] == 1 and counts["collective-permute"] == 1
     assert hlo.collectives(module, [entry])["all-reduce"] == 3  # the one before the loop too
     assert hlo.gathered_shapes(module, [entry]) == ["(f32[1,8], f32[8,8])"]
+
+
+COUNTED = """\
+HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%gemm (p0: bf16[8,64], p1: bf16[64,32]) -> bf16[8,32] {
+  %p0 = bf16[8,64]{1,0} parameter(0)
+  %p1 = bf16[64,32]{1,0} parameter(1)
+  ROOT %d = bf16[8,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%gemv (q0: bf16[64,32], q1: bf16[64]) -> f32[32] {
+  %q0 = bf16[64,32]{1,0} parameter(0)
+  %q1 = bf16[64]{0} parameter(1)
+  %c = f32[64,32]{1,0} convert(%q0)
+  %b = f32[64,32]{1,0} broadcast(%q1), dimensions={0}
+  %m = f32[64,32]{1,0} multiply(%c, %b)
+  %z = f32[] constant(0)
+  ROOT %r = f32[32]{0} reduce(%m, %z), dimensions={0}, to_apply=%add
+}
+
+%write (c0: bf16[8,1024], c1: bf16[8,1], c2: s32[]) -> bf16[8,1024] {
+  %c0 = bf16[8,1024]{1,0} parameter(0)
+  %c1 = bf16[8,1]{1,0} parameter(1)
+  %c2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %u = bf16[8,1024]{1,0} dynamic-update-slice(%c0, %c1, %zero, %c2)
+}
+
+%body (s: (s32[], bf16[8,64], bf16[8,1024])) -> (s32[], bf16[8,64], bf16[8,1024]) {
+  %s = (s32[], bf16[8,64]{1,0}, bf16[8,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = bf16[8,64]{1,0} get-tuple-element(%s), index=1
+  %cache = bf16[8,1024]{1,0} get-tuple-element(%s), index=2
+  %w = bf16[64,32]{1,0} constant({...})
+  %y = bf16[8,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm
+  %new = bf16[8,1]{1,0} slice(%y), slice={[0:8], [0:1]}
+  %cache2 = bf16[8,1024]{1,0} fusion(%cache, %new, %i), kind=kLoop, calls=%write
+  ROOT %t = (s32[], bf16[8,64]{1,0}, /*index=2*/bf16[8,1024]{1,0}) tuple(%i, %x, %cache2)
+}
+
+%cond (s: (s32[], bf16[8,64], bf16[8,1024])) -> pred[] {
+  %s = (s32[], bf16[8,64]{1,0}, bf16[8,1024]{1,0}) parameter(0)
+  ROOT %go = pred[] constant(true)
+}
+
+ENTRY %main (a: bf16[64,32], v: bf16[64], s: (s32[], bf16[8,64], bf16[8,1024])) -> f32[32] {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %v = bf16[64]{0} parameter(1)
+  %s = (s32[], bf16[8,64]{1,0}, bf16[8,1024]{1,0}) parameter(2)
+  %w = (s32[], bf16[8,64]{1,0}, bf16[8,1024]{1,0}) while(%s), condition=%cond, body=%body
+  ROOT %g = f32[32]{0} fusion(%a, %v), kind=kInput, calls=%gemv
+}
+"""
+
+
+def test_gpu_work_and_traffic_are_counted_from_the_compiled_program():
+    """A GPU program's FLOPs and bytes (XLA gives no cost analysis there), by hand: the loop's body
+    once; a matrix-vector product XLA wrote as a multiply and a reduction counts as its dot."""
+    module, entry = hlo.computations(COUNTED)
+    dot, gemv = 2 * 8 * 32 * 64, 2 * 64 * 32  # the body's dot; the entry's multiply and reduction
+    assert hlo.flops(module, entry) == dot + gemv
+    # the dot reads x and w and writes y; the slice reads and writes what it takes; the cache is
+    # updated in place (its row written, not read); the gemv reads a and v and writes its result
+    dot_bytes = (8 * 64 + 64 * 32 + 8 * 32) * 2
+    slice_bytes, update_bytes = 2 * 8 * 2, 8 * 2 + 8 * 2 + 4
+    gemv_bytes = (64 * 32 + 64) * 2 + 32 * 4
+    assert hlo.bytes_accessed(module, entry) == dot_bytes + slice_bytes + update_bytes + gemv_bytes
 
 
 @needs_libtpu
@@ -192,6 +311,73 @@ def test_a_program_too_big_for_the_chip_is_refused_naming_the_target_and_its_mem
     model = abstract_model(huge, target_mesh(V5E_8, data=8, model=1))
     with pytest.raises(ValueError, match=r"prefill does not fit v5e-8: .*15\.75 GiB"):
         plan_batch(model, V5E_8, BATCH)
+
+
+# --- the same model on 8 H100s: jax's CUDA plugin compiles for GPUs it is only told about -----------------
+
+
+@pytest.fixture(scope="module")
+def h100_rows_split_plan():
+    model = abstract_model(LLAMA_31_8B_2_LAYERS, target_mesh(H100_8, data=8, model=1))
+    return plan_batch(model, H100_8, BATCH)
+
+
+@needs_cuda_plan
+def test_an_abstract_model_split_over_eight_h100s_holds_its_shards():
+    model = abstract_model(LLAMA_31_8B_2_LAYERS, target_mesh(H100_8, data=1, model=8))
+    devices = list(model.mesh.devices.flat)
+    assert {(d.platform, d.device_kind) for d in devices} == {("gpu", "NVIDIA H100 80GB HBM3")}
+    split, replicated = parameter_count(LLAMA_31_8B_2_LAYERS)
+    assert bytes_per_device(model.params) == 2 * (split // 8 + replicated)
+
+
+@needs_cuda_plan
+def test_rows_split_over_eight_h100s_decode_without_gathering(h100_rows_split_plan):
+    plan = h100_rows_split_plan
+    split, replicated = parameter_count(LLAMA_31_8B_2_LAYERS)
+    assert plan.parameter_bytes == 2 * (split + replicated)  # every GPU holds the whole model
+    prefill, decode = plan.program("prefill"), plan.program("decode_loop")
+    assert prefill.argument_bytes == plan.parameter_bytes + 2 * BATCH.prompts * BATCH.prompt_slots * 4
+    assert plan.fits and decode.alias_bytes > 0  # the loop's state donated, written in place
+    # each GPU decodes its own row: a step only asks whether any row is still running
+    assert decode.step_collectives == {**dict.fromkeys(hlo.COLLECTIVES, 0), "all-reduce": 1}
+    # one step of one row: 2 FLOPs per weight of every matrix but the embedding table (whose row is
+    # only looked up), each read once from memory as bf16; attention and norms add a little
+    hf = LLAMA_31_8B_2_LAYERS
+    matrices = split - hf["vocab_size"] * hf["hidden_size"]
+    assert 2 * matrices < decode.flops < 1.01 * 2 * matrices
+    assert 2 * matrices < decode.bytes_accessed < 1.1 * 2 * matrices
+    compiled = ", ".join(f"{p.name} {p.compile_s:.1f} s" for p in plan.programs)
+    print(f"\nh100x8 data 8 × model 1, {BATCH}: step {decode.flops / 1e9:.2f} GFLOP, ", end="")
+    print(f"{decode.bytes_accessed / 2**30:.2f} GiB; compiled: {compiled}")
+
+
+@needs_libtpu
+@needs_cuda_plan
+@pytest.mark.slow
+def test_gpu_counts_agree_with_the_tpu_cost_analysis_of_the_same_program():
+    """The prefill of one prompt on rows split eight ways (each device runs it whole): its FLOPs
+    counted from the GPU program within 5% of XLA's cost analysis of the TPU one, and its memory
+    traffic within a factor of 2 (each compiler fuses differently; the TPU counts more of it)."""
+    programs = {}
+    for slice_ in (V5E_8, H100_8):
+        model = abstract_model(LLAMA_31_8B_2_LAYERS, target_mesh(slice_, data=8, model=1))
+        tokens = abstract_tokens(model.mesh, BATCH.prompts, BATCH.prompt_slots, PartitionSpec())
+        compile_ = lambda m=model, t=tokens: loop.prefill.lower(m.graph, m.params, t, t).compile()
+        with on_mesh(model):
+            programs[slice_.chip.platform] = compile_for(slice_, "prefill", compile_)[1]
+    tpu, gpu = programs["tpu"], programs["cuda"]
+    assert gpu.flops == pytest.approx(tpu.flops, rel=0.05)
+    assert 0.5 < gpu.bytes_accessed / tpu.bytes_accessed < 2
+
+
+@needs_cuda_plan
+def test_a_program_too_big_for_the_gpu_is_refused_naming_the_target_and_its_memory():
+    huge = {**LLAMA_31_8B_2_LAYERS, "vocab_size": 4_000_000, "num_hidden_layers": 1}  # 66 GB replicated
+    model = abstract_model(huge, target_mesh(H100_8, data=8, model=1))
+    refusal = r"prefill does not fit h100x8: more than the 59\.74 GiB .* on an h100 \(.*75% of its 79\.65 GiB"
+    with pytest.raises(ValueError, match=refusal):
+        plan_batch(model, H100_8, BATCH)
 
 
 # --- a job's plan: `jaxsr plan CONFIG.yaml --target ...` -------------------------------------------------
@@ -285,6 +471,19 @@ def test_a_job_whose_parameters_exceed_the_chip_is_refused_in_one_line(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.splitlines()[-1]  # (libtpu's own warnings before it)
     assert err.startswith("jaxsr: error: parameters: ") and "15.75 GiB a v5e-8 program may use" in err
+
+
+@needs_cuda_plan
+@pytest.mark.slow
+def test_a_jobs_plan_for_eight_h100s(tmp_path, capsys):
+    """The shipped Gemma-2-9B job (cut to 1 layer, a small budget) planned for an 8-GPU host."""
+    out = tmp_path / "plan.json"
+    argv = ["plan", "configs/speculative_rejection_gemma2_9b.yaml", "--target", "h100x8", "--layers", "1"]
+    assert main([*argv, "memory_budget=4096", "--json", str(out)]) == 0
+    printed, plan = capsys.readouterr().out, json.loads(out.read_text())
+    assert plan["target"]["platform"] == "cuda" and plan["mesh"] == {"data": 4, "model": 2} and plan["fits"]
+    assert plan["decode_step"]["flops"] > 0 and plan["decode_step"]["bytes"] > 0
+    assert "on h100x8 (8 × h100, 59.74 GiB usable per GPU: JAX's default 75% of 79.65 GiB)" in printed
 
 
 def test_plan_usage_errors_are_one_line(capsys):

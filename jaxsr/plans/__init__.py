@@ -1,6 +1,7 @@
 """Plans: jaxsr's programs compiled for accelerators this machine does not have (TPU slices through
-libtpu's topology descriptions), from a model's config alone — per-device memory, work and collectives
-before anything is rented.
+libtpu's topology descriptions, NVIDIA GPU hosts through jax's CUDA plugin given each GPU's figures:
+`h100x8`), from a model's config alone — per-device memory, work and collectives before anything is
+rented.
 
     slice_ = target("v5e-8")
     model = abstract_model(hf_config, target_mesh(slice_, data=1, model=8))

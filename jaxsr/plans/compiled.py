@@ -1,7 +1,9 @@
 """Compile a job's programs for a target without running them: the prefill, the rows' set-up and the
 token loop of one decode batch, each lowered with abstract inputs (an `abstract_model`'s parameters,
 the caches and state the previous program returns) through the driver's own functions, and measured
-per device from XLA's analyses: memory, work, and the collectives it runs (per step of the loop)."""
+per device from XLA's analyses: memory, work, and the collectives it runs (per step of the loop). On a
+GPU, whose compiler neither analyses cost nor refuses a program too big for the device, the work is
+counted from the compiled program (`hlo.flops`, `hlo.bytes_accessed`) and the refusal is the plan's."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from jaxsr.decoding.driver import Layout, Prefill, Sampler, as_sampler
 from jaxsr.decoding.inputs import Request
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.model import Model, RewardModel, _scores
-from jaxsr.plans import hlo
+from jaxsr.plans import gpus, hlo
 from jaxsr.plans.abstract import bytes_per_device
 from jaxsr.plans.targets import GIB, Target
 from jaxsr.sharding import batch_sharding, on_mesh
@@ -53,8 +55,11 @@ class Program:
     temp_bytes: int
     code_bytes: int
     flops: float
-    """XLA's cost analysis (a loop's body counted once)."""
+    """XLA's cost analysis (a loop's body counted once); on a GPU counted from the compiled program
+    (`hlo.flops`: dots, convolutions, floating-point arithmetic)."""
     bytes_accessed: float
+    """XLA's cost analysis; on a GPU its kernels' traffic counted from the compiled program
+    (`hlo.bytes_accessed`)."""
     collectives: dict[str, int]
     """Collective instructions by kind in the whole program."""
     step_collectives: dict[str, int] | None
@@ -93,8 +98,11 @@ class Plan:
 def measure(name: str, compiled: Any, seconds: float) -> Program:
     """A compiled program's figures per device."""
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
     module, entry = hlo.computations(compiled.as_text())
+    cost = compiled.cost_analysis() or {
+        "flops": hlo.flops(module, entry),
+        "bytes accessed": hlo.bytes_accessed(module, entry),
+    }
     step = hlo.loop_step(module, entry)
     return Program(
         name=name,
@@ -114,19 +122,31 @@ def measure(name: str, compiled: Any, seconds: float) -> Program:
 
 def compile_for(target: Target, name: str, compile_: Callable[[], Any]) -> tuple[Any, Program]:
     """`compile_()`'s compiled program and its figures; a program too big for the chip's memory is a
-    ValueError naming the target and its HBM (XLA's message appended)."""
+    ValueError naming the target and its memory (XLA's refusal appended on a TPU; on a GPU, whose
+    compiler refuses nothing, the program's peak)."""
     start = time.perf_counter()
     try:
         compiled = compile_()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
+        raise ValueError(f"{name} does not fit {target.name}: {too_big(target)} ({e})") from None
+    program = measure(name, compiled, time.perf_counter() - start)
+    if target.chip.platform == "cuda" and program.peak_bytes > target.chip.usable_bytes:
         raise ValueError(
-            f"{name} does not fit {target.name}: more than the {target.chip.usable_bytes / GIB:.2f} GiB "
-            f"a program may use of a {target.chip.kind} chip's {target.chip.hbm_bytes / GIB:.0f} GiB HBM "
-            f"({e})"
-        ) from None
-    return compiled, measure(name, compiled, time.perf_counter() - start)
+            f"{name} does not fit {target.name}: {too_big(target)} (its peak: "
+            f"{program.peak_bytes / GIB:.2f} GiB per device)"
+        )
+    return compiled, program
+
+
+def too_big(target: Target) -> str:
+    """What a program too big for `target` exceeds: the memory one program may use of a chip's."""
+    chip, usable = target.chip, f"more than the {target.chip.usable_bytes / GIB:.2f} GiB a program may use"
+    if chip.platform == "cuda":
+        share = f"{gpus.JAX_MEMORY_FRACTION:.0%} of its {chip.hbm_bytes / GIB:.2f} GiB"
+        return f"{usable} on an {chip.kind} (JAX's default {share})"
+    return f"{usable} of a {chip.kind} chip's {chip.hbm_bytes / GIB:.0f} GiB HBM"
 
 
 def placeholder_request(batch: Batch) -> Request:

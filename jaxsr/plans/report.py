@@ -6,7 +6,9 @@ import dataclasses
 from typing import Any
 
 from jaxsr.checks import format_bytes
+from jaxsr.plans.gpus import JAX_MEMORY_FRACTION
 from jaxsr.plans.job import JobPlan
+from jaxsr.plans.targets import Chip
 
 
 def plan_dict(plan: JobPlan) -> dict[str, Any]:
@@ -43,7 +45,7 @@ def plan_table(plan: JobPlan) -> str:
     segment = f", row caches of {batch.segment} slots" if batch.segment else ""
     lines = [
         f"{plan.config.method} on {plan.target.name} ({plan.target.chips} × {chip.kind}, "
-        f"{format_bytes(chip.usable_bytes)} usable HBM per chip), mesh data={plan.mesh['data']} × "
+        f"{usable_memory(chip)}), mesh data={plan.mesh['data']} × "
         f"model={plan.mesh['model']}, {plan.config.dtype}, prompts of {plan.prompt_tokens} tokens{cut}",
         "per device:",
         *(f"  parameters ({name}): {format_bytes(n)}" for name, n in plan.parameter_bytes.items()),
@@ -73,6 +75,14 @@ def plan_table(plan: JobPlan) -> str:
         f"at most {step['tokens_per_s']:,.0f} tokens/s over {plan.rows} rows"
     )
     return "\n".join(lines)
+
+
+def usable_memory(chip: Chip) -> str:
+    """What one program may use of a chip's memory, and why."""
+    if chip.platform == "cuda":
+        share = f"JAX's default {JAX_MEMORY_FRACTION:.0%} of {format_bytes(chip.hbm_bytes)}"
+        return f"{format_bytes(chip.usable_bytes)} usable per GPU: {share}"
+    return f"{format_bytes(chip.usable_bytes)} usable HBM per chip"
 
 
 def _counts(collectives: dict[str, int]) -> str:

@@ -1,9 +1,11 @@
-"""Accelerators a plan compiles for without owning one: TPU slices, their chips' datasheet figures, and
-their devices from libtpu's topology descriptions (`pip install jaxsr[plan]`).
+"""Accelerators a plan compiles for without owning one: TPU slices and NVIDIA GPU hosts, their chips'
+datasheet figures, and their devices as descriptions (`pip install jaxsr[plan]`): libtpu's topology
+descriptions for TPUs, jax's CUDA plugin given each GPU's figures for GPUs (`jaxsr.plans.gpus`).
 
-A target is named as Google Cloud names the slice (`v5e-8`: v5e and v6e count chips, v5p and v4
-count TensorCores, two per chip). Its devices are descriptions only: programs compile for them, nothing
-runs on them, and the process's own backend stays what it was (e.g. `JAX_PLATFORMS=cpu`).
+A TPU target is named as Google Cloud names the slice (`v5e-8`: v5e and v6e count chips, v5p and v4
+count TensorCores, two per chip); a GPU target by its GPU and their count on one host (`h100x8`). Its
+devices are descriptions only: programs compile for them, nothing runs on them, and the process's own
+backend stays what it was (e.g. `JAX_PLATFORMS=cpu`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
+from jaxsr.plans import gpus
 from jaxsr.sharding import make_mesh
 
 GIB = 2**30
@@ -27,11 +30,12 @@ class Chip:
     """One accelerator chip's figures (per chip; a v4/v5p chip's two TensorCores act as one device)."""
 
     kind: str
-    """libtpu's topology prefix (`v5e` in `v5e:2x4`)."""
+    """libtpu's topology prefix (`v5e` in `v5e:2x4`), or a GPU's key in `gpus.GPUS` (`h100`)."""
     hbm_bytes: int
-    """High-bandwidth memory on the datasheet."""
+    """High-bandwidth memory on the datasheet (a GPU's: as CUDA reports it)."""
     usable_bytes: int
-    """What XLA lets one program use: the capacity libtpu 0.0.42 names when it refuses a program."""
+    """What one program may use: on a TPU the capacity libtpu 0.0.42 names when it refuses a program;
+    on a GPU the share of its memory JAX's allocator takes by default (`gpus.JAX_MEMORY_FRACTION`)."""
     bf16_flops: float
     """Peak dense bf16 FLOP/s."""
     hbm_bytes_per_s: float
@@ -40,6 +44,8 @@ class Chip:
     """libtpu's `chip_config_name` (v4: its TensorCores fused as one device, `megacore`)."""
     cores_per_chip: int = 1
     """TensorCores the slice name counts per chip."""
+    platform: str = "tpu"
+    """jax's platform: `tpu`, or `cuda` (whose compiler does not refuse a program too big: a plan does)."""
 
 
 CHIPS: dict[str, Chip] = {
@@ -55,6 +61,18 @@ CHIPS: dict[str, Chip] = {
 }
 """Datasheet figures from the Google Cloud TPU docs' system-architecture pages (URL beside each);
 `usable_bytes` as libtpu 0.0.42's out-of-memory refusals state it."""
+
+
+def gpu_chip(kind: str) -> Chip:
+    """A GPU's figures (`gpus.GPUS`) as a plan's chip."""
+    gpu = gpus.GPUS[kind]
+    usable = int(gpu.memory_bytes * gpus.JAX_MEMORY_FRACTION)
+    return Chip(kind, gpu.memory_bytes, usable, gpu.bf16_flops, gpu.memory_bytes_per_s, platform="cuda")
+
+
+CHIPS.update({kind: gpu_chip(kind) for kind in gpus.GPUS})
+GPU_COUNTS = (1, 2, 4, 8)
+"""GPUs of one host a plan describes."""
 
 TOPOLOGIES: dict[str, dict[int, str]] = {
     "v5e": {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"},
@@ -75,16 +93,29 @@ class Target:
 
     @property
     def topology(self) -> str:
-        """libtpu's topology name, e.g. `v5e:2x4`."""
+        """libtpu's topology name, e.g. `v5e:2x4` (a TPU slice's)."""
         return f"{self.chip.kind}:{TOPOLOGIES[self.chip.kind][self.chips]}"
 
 
+def target_names() -> str:
+    """The names `target` takes, for its errors."""
+    tpus = ", ".join(f"{kind}-N" for kind in TOPOLOGIES)
+    counts = "/".join(map(str, GPU_COUNTS))
+    return f"TPU slices {tpus}; GPU hosts {', '.join(f'{kind}xN' for kind in gpus.GPUS)} (N = {counts})"
+
+
 def target(name: str) -> Target:
-    """The slice a Cloud TPU name (`v5e-8`, `v6e-16`, `v5p-8`, `v4-8`) stands for."""
+    """The slice a Cloud TPU name (`v5e-8`, `v6e-16`, `v5p-8`, `v4-8`) stands for, or the host of GPUs
+    a GPU name (`h100x8`, `h200x4`, `a100-80x8`) does."""
+    kind, x, count = str(name).rpartition("x")
+    if x and kind in gpus.GPUS:
+        if not count.isdigit() or int(count) not in GPU_COUNTS:
+            raise ValueError(f"target: {name} is no {kind} host this plan describes; GPUs: {GPU_COUNTS}")
+        return Target(str(name), CHIPS[kind], int(count))
     kind, _, count = str(name).partition("-")
     chip = CHIPS.get(kind)
-    if chip is None or not count.isdigit() or int(count) % chip.cores_per_chip:
-        raise ValueError(f"target: expected a name like v5e-8 ({', '.join(CHIPS)}), got {name!r}")
+    if kind not in TOPOLOGIES or not count.isdigit() or int(count) % chip.cores_per_chip:
+        raise ValueError(f"target: expected a name like v5e-8 or h100x8 ({target_names()}), got {name!r}")
     chips = int(count) // chip.cores_per_chip
     if chips not in TOPOLOGIES[kind]:
         sizes = [n * chip.cores_per_chip for n in TOPOLOGIES[kind]]
@@ -105,9 +136,12 @@ def has_libtpu() -> bool:
 
 @functools.cache
 def target_devices(slice_: Target) -> tuple[jax.Device, ...]:
-    """The slice's devices as libtpu describes them (raises ImportError without libtpu)."""
+    """The target's devices as libtpu or jax's CUDA plugin describes them (raises ImportError without
+    the one it needs)."""
     from jax.experimental import topologies
 
+    if slice_.chip.platform == "cuda":
+        return gpus.cuda_devices(gpus.GPUS[slice_.chip.kind], slice_.chips)
     if not has_libtpu():  # a clear error here rather than an opaque one from the backend
         raise ImportError(
             f"planning for a TPU needs libtpu: pip install 'jaxsr[plan]', or set {LIBRARY_ENV} to a libtpu.so"
