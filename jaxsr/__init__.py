@@ -20,6 +20,7 @@ from jaxsr.models.model import Model, RewardModel
 from jaxsr.results import Result, Sample
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.speculative_rejection import speculative_rejection
+from jaxsr.search.tree import tree_best_of_n
 
 PairDecoder = Sampler
 """The name earlier releases gave a two-model `Sampler`."""
@@ -50,4 +51,5 @@ __all__ = [
     "speculative_decoder",
     "speculative_rejection",
     "training",
+    "tree_best_of_n",
 ]

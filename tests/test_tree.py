@@ -1,0 +1,95 @@
+"""TreeBoN (`jaxsr.tree_best_of_n`): Best-of-N when nothing is pruned, children that grow from their
+parents' tokens, one decode program per search, the same result packed or alone, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+import jaxsr
+from jaxsr.decoding import loop
+from jaxsr.rewards import SelfLikelihood
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13], [2, 4, 6]]
+SAMPLING = jaxsr.SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model(seed=0, eos_token_ids=(3,))
+
+
+def by_index(result: jaxsr.Result) -> dict[int, jaxsr.Sample]:
+    return {s.index: s for s in result.samples}
+
+
+def test_one_child_per_row_is_best_of_n(lm):
+    """branch=1 keeps every unfinished row on its own stream: Best-of-N's samples and choice."""
+    kwargs = dict(n=6, max_new_tokens=24, sampling=SAMPLING, seed=4)
+    tree = jaxsr.tree_best_of_n(lm, SelfLikelihood(), PROMPTS, branch=1, layers=3, **kwargs)
+    flat = jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS, **kwargs)
+    for t, f in zip(tree, flat, strict=True):
+        assert sorted(by_index(t)) == list(range(6))
+        for i, sample in by_index(f).items():
+            assert by_index(t)[i].token_ids == sample.token_ids
+            assert by_index(t)[i].finished == sample.finished
+            # sums of ≤ 24 log-probabilities accumulated in batches of other shapes
+            assert by_index(t)[i].score == pytest.approx(sample.score, abs=1e-5)
+        assert t.best.index == f.best.index
+    assert any(len(t.stats["layers"]) >= 2 for t in tree)  # the tree did pause and go on
+
+
+def test_survivors_branch_into_children_that_share_their_prefix(lm):
+    n, branch, layer = 8, 4, 6
+    result = jaxsr.tree_best_of_n(
+        lm, SelfLikelihood(), PROMPTS[:1], n=n, branch=branch, layers=3, max_new_tokens=3 * layer,
+        sampling=SAMPLING, seed=1,
+    )[0]  # fmt: skip
+    first = result.stats["layers"][0]
+    assert first["token"] == layer and first["kept"] == min(first["growing"], n // branch)
+    grown = [s for s in result.samples if len(s.token_ids) > layer]
+    assert grown, "some rows went past the first layer"
+    # every row past the first layer descends from one of its n // branch survivors
+    assert len({tuple(s.token_ids[:layer]) for s in grown}) <= n // branch
+    new_streams = [s for s in result.samples if s.index >= n]
+    assert new_streams, "children other than the first take new sample indices"
+    assert len({s.index for s in result.samples}) == len(result.samples)
+    assert result.best.score == max(s.score for s in result.samples)
+
+
+def test_a_tree_is_the_same_packed_with_other_prompts_or_alone(lm):
+    kwargs = dict(n=4, branch=2, layers=4, max_new_tokens=16, sampling=SAMPLING, seed=2)
+    alone = [
+        jaxsr.tree_best_of_n(lm, SelfLikelihood(), [p], prompt_offset=i, **kwargs)[0]
+        for i, p in enumerate(PROMPTS)
+    ]
+    packed = jaxsr.tree_best_of_n(lm, SelfLikelihood(), PROMPTS, concurrent_prompts=3, **kwargs)
+    for a, p in zip(alone, packed, strict=True):
+        assert [(s.index, s.token_ids) for s in a.samples] == [(s.index, s.token_ids) for s in p.samples]
+        assert a.best.index == p.best.index
+        np.testing.assert_allclose([s.score for s in p.samples], [s.score for s in a.samples], atol=1e-5)
+
+
+def test_every_layer_decodes_in_one_compiled_program():
+    lm = tiny_model(seed=0, eos_token_ids=(3,), num_layers=3)  # cache shapes no other test compiles
+    before = loop.decode_loop._cache_size()
+    result = jaxsr.tree_best_of_n(
+        lm, SelfLikelihood(), PROMPTS[:1], n=8, branch=2, layers=4, max_new_tokens=32, sampling=SAMPLING
+    )[0]
+    assert len(result.stats["layers"]) >= 2
+    assert loop.decode_loop._cache_size() - before == 1
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (dict(branch=5), "branch: at most n=4"),
+        (dict(branch=0), "branch"),
+        (dict(layers=0), "layers"),
+        (dict(n=0), "n"),
+    ],
+)
+def test_bad_tree_settings_are_refused_naming_them(lm, keys, message):
+    with pytest.raises(ValueError, match=message):
+        jaxsr.tree_best_of_n(lm, SelfLikelihood(), PROMPTS[:1], **{"n": 4, "max_new_tokens": 8, **keys})
