@@ -9,7 +9,7 @@ from tiny import tiny_model
 
 import jaxsr
 from jaxsr.decoding import loop
-from jaxsr.rewards import SelfLikelihood
+from jaxsr.rewards import ImplicitReward, SelfLikelihood
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13], [2, 4, 6]]
 SAMPLING = jaxsr.SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)
@@ -93,3 +93,47 @@ def test_every_layer_decodes_in_one_compiled_program():
 def test_bad_tree_settings_are_refused_naming_them(lm, keys, message):
     with pytest.raises(ValueError, match=message):
         jaxsr.tree_best_of_n(lm, SelfLikelihood(), PROMPTS[:1], **{"n": 4, "max_new_tokens": 8, **keys})
+
+
+def reference_logprob(model: jaxsr.Model, prompt: list[int], response: list[int]) -> float:
+    """log p(response | prompt) from the model's full logits, one sequence at a time."""
+    logits = np.asarray(model.logits([prompt + response]))[0].astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    return sum(logp[len(prompt) - 1 + t, token] for t, token in enumerate(response))
+
+
+def test_the_implicit_reward_is_the_policy_against_its_reference(lm):
+    reference = tiny_model(seed=7, eos_token_ids=(3,))
+    implicit = ImplicitReward(lm, reference, kind="sum")
+    results = jaxsr.best_of_n(lm, implicit, PROMPTS[:2], n=4, max_new_tokens=10, sampling=SAMPLING, seed=3)
+    for prompt, result in zip(PROMPTS[:2], results, strict=True):
+        for s in result.samples:
+            response = s.token_ids + [3] * s.finished  # a stopped response ends with its EOS
+            expected = s.logprob - reference_logprob(reference, prompt, response)
+            assert s.score == pytest.approx(expected, abs=1e-4)
+    assert implicit.token_forwards > 0
+    mean = jaxsr.best_of_n(
+        lm, ImplicitReward(lm, reference), PROMPTS[:1], n=4, max_new_tokens=10, sampling=SAMPLING, seed=3
+    )
+    for s, t in zip(mean[0].samples, results[0].samples, strict=True):
+        assert s.score == pytest.approx(t.score / (len(t.token_ids) + t.finished), abs=1e-5)
+    same = jaxsr.best_of_n(lm, ImplicitReward(lm, lm), PROMPTS[:2], n=4, max_new_tokens=10, sampling=SAMPLING)
+    assert max(abs(s.score) for r in same for s in r.samples) < 1e-4  # a policy against itself: 0
+
+
+def test_tree_search_prunes_by_the_implicit_reward(lm):
+    reference = tiny_model(seed=7, eos_token_ids=(3,))
+    result = jaxsr.tree_best_of_n(
+        lm, ImplicitReward(lm, reference), PROMPTS[:2], n=8, branch=2, layers=4, max_new_tokens=16,
+        sampling=SAMPLING, concurrent_prompts=2,
+    )  # fmt: skip
+    for r in result:
+        assert r.best.score == max(s.score for s in r.samples)
+
+
+def test_an_implicit_reward_needs_two_language_models_of_one_vocabulary(lm):
+    with pytest.raises(ValueError, match="reference: its vocabulary"):
+        ImplicitReward(lm, tiny_model(seed=1, vocab_size=lm.config.vocab_size + 1))
+    with pytest.raises(ValueError, match="kind"):
+        ImplicitReward(lm, lm, kind="max")

@@ -9,6 +9,7 @@ from jaxsr.models.model import RewardModel
 from jaxsr.rewards.base import Candidates, Reward
 from jaxsr.rewards.classifier import ClassifierReward
 from jaxsr.rewards.function import FunctionReward
+from jaxsr.rewards.implicit import ImplicitReward
 from jaxsr.rewards.likelihood import SelfLikelihood
 from jaxsr.rewards.similarity import EmbeddingSimilarity
 
@@ -17,6 +18,7 @@ __all__ = [
     "ClassifierReward",
     "EmbeddingSimilarity",
     "FunctionReward",
+    "ImplicitReward",
     "Reward",
     "SelfLikelihood",
     "as_reward",
