@@ -9,7 +9,7 @@ from tiny import tiny_model
 
 import jaxsr
 from jaxsr.decoding import loop
-from jaxsr.rewards import ImplicitReward, SelfLikelihood
+from jaxsr.rewards import ImplicitReward, SelfCertainty, SelfLikelihood
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13], [2, 4, 6]]
 SAMPLING = jaxsr.SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)
@@ -137,3 +137,22 @@ def test_an_implicit_reward_needs_two_language_models_of_one_vocabulary(lm):
         ImplicitReward(lm, tiny_model(seed=1, vocab_size=lm.config.vocab_size + 1))
     with pytest.raises(ValueError, match="kind"):
         ImplicitReward(lm, lm, kind="max")
+
+
+def test_self_certainty_is_the_mean_kl_from_uniform_of_the_generators_distributions(lm):
+    certainty = SelfCertainty(lm)
+    results = jaxsr.best_of_n(lm, certainty, PROMPTS[:2], n=4, max_new_tokens=10, sampling=SAMPLING, seed=5)
+    for prompt, result in zip(PROMPTS[:2], results, strict=True):
+        for s in result.samples:
+            response = s.token_ids + [3] * s.finished
+            logits = np.asarray(lm.logits([prompt + response]))[0].astype(np.float64)
+            top = logits.max(-1, keepdims=True)
+            logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+            positions = logp[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+            expected = np.mean(-np.log(logp.shape[-1]) - positions.mean(-1))
+            assert s.score == pytest.approx(expected, abs=1e-4)
+        assert result.best.score == max(s.score for s in result.samples)
+    tree = jaxsr.tree_best_of_n(
+        lm, certainty, PROMPTS[:1], n=4, branch=2, max_new_tokens=8, sampling=SAMPLING
+    )
+    assert tree[0].best.score == max(s.score for s in tree[0].samples)

@@ -7,6 +7,7 @@ from typing import Any
 from jaxsr.models.encoder import EncoderModel
 from jaxsr.models.model import RewardModel
 from jaxsr.rewards.base import Candidates, Reward
+from jaxsr.rewards.certainty import SelfCertainty
 from jaxsr.rewards.classifier import ClassifierReward
 from jaxsr.rewards.function import FunctionReward
 from jaxsr.rewards.implicit import ImplicitReward
@@ -20,6 +21,7 @@ __all__ = [
     "FunctionReward",
     "ImplicitReward",
     "Reward",
+    "SelfCertainty",
     "SelfLikelihood",
     "as_reward",
 ]

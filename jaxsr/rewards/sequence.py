@@ -1,0 +1,80 @@
+"""A language model's per-token statistics of responses after their prompts, summed over each
+response: what rewards that read a model's own distributions (the implicit reward's reference
+log-probabilities, self-certainty) compute in one forward pass, in shared bucketed batches."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsr.ladder import bucket, fine_bucket, length_sorted_chunks
+from jaxsr.models.model import Model
+from jaxsr.sharding import padded_rows, place_rows
+from jaxsr.text import left_pad
+
+Statistic = Literal["logprob", "certainty"]
+"""`logprob`: log p of the token that follows. `certainty`: KL(uniform ‖ p) of the next-token
+distribution, −log V − mean_v log p_v (Kang et al. 2025's self-certainty of one position)."""
+
+
+@partial(jax.jit, static_argnums=(0, 4, 6))
+def _response_sums(
+    graph: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,
+    mask: jax.Array,
+    width: int,
+    lengths: jax.Array,
+    statistic: Statistic,
+) -> jax.Array:
+    """[B] the statistic summed over each row's last `lengths[b]` tokens (≤ `width`), rows left-padded:
+    logits of the last `width` positions only."""
+    module = nnx.merge(graph, params)
+    hidden, _ = module.prefill(tokens, mask)
+    logp = jax.nn.log_softmax(module.logits(hidden[:, -width - 1 : -1]).astype(jnp.float32), -1)
+    if statistic == "logprob":
+        values = jnp.take_along_axis(logp, tokens[:, -width:, None], -1)[..., 0]
+    else:
+        values = -jnp.log(logp.shape[-1]) - logp.mean(-1)
+    response = jnp.arange(width)[None, :] >= width - lengths[:, None]
+    return jnp.where(response, values, 0.0).sum(-1)
+
+
+def response_sums(
+    model: Model, prompts: list[list[int]], responses: list[list[int]], statistic: Statistic, batch_size: int
+) -> tuple[np.ndarray, int]:
+    """The statistic summed over each response after its prompt, shortest sequences first in batches
+    of `batch_size`; and the token positions run through the model."""
+    out, forwards = np.zeros(len(responses), np.float64), 0
+    sequences = [p + r for p, r in zip(prompts, responses, strict=True)]
+    for chunk in length_sorted_chunks([len(s) for s in sequences], batch_size):
+        rows = padded_rows(fine_bucket(len(chunk)), model.mesh)  # splits over `data`
+        length = min(fine_bucket(len(sequences[chunk[-1]]), 16), model.config.context)
+        width = min(bucket(max(len(responses[i]) for i in chunk)), length - 1)
+        tokens, mask = left_pad([sequences[i] for i in chunk], rows, length)
+        mask[len(chunk) :, -1] = 1  # padding rows read one pad token instead of nothing
+        lengths = np.zeros(rows, np.int32)
+        lengths[: len(chunk)] = [len(responses[i]) for i in chunk]
+        forwards += rows * length
+        tokens, mask, lengths = place_rows(model.mesh, tokens, mask, lengths)
+        sums = _response_sums(model.graph, model.params, tokens, mask, width, lengths, statistic)
+        out[chunk] = np.asarray(sums)[: len(chunk)]
+    return out, forwards
+
+
+def stopped_responses(model: Model, token_ids: list[list[int]], num_tokens: np.ndarray) -> list[list[int]]:
+    """Each response with its stop token where it stopped (`num_tokens` counts it): the model's first
+    EOS id (rewards are not told which stop token ended a response)."""
+    stop = list(model.eos_token_ids[:1])
+    return [list(ids) + stop * int(n > len(ids)) for ids, n in zip(token_ids, num_tokens, strict=True)]
+
+
+def check_language_model(name: str, model: object) -> None:
+    """A TypeError naming `name` unless `model` is a jaxsr language model (not a reward model)."""
+    if not isinstance(model, Model) or model.config.is_reward_model:
+        raise TypeError(f"{name}: expected a jaxsr.Model (language model), got {type(model).__name__}")
