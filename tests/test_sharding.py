@@ -15,7 +15,7 @@ from jaxsr.decoding import state as decode_state
 from jaxsr.decoding.driver import Layout, as_sampler
 from jaxsr.decoding.inputs import Request
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.sharding import make_mesh, shard_model
+from jaxsr.sharding import gather_rows, make_mesh, shard_model
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13]]
 MESHES = [(8, 1), (4, 2), (2, 4)]
@@ -330,3 +330,27 @@ def test_batches_are_padded_with_dead_rows_to_split_over_data(lm):
     physical = [x["batch_size"] for x in padded.stats["round_log"]]
     assert logical[0] == 10 and len(logical) > 1
     assert physical == [-(-b // 8) * 8 for b in logical]
+
+
+@pytest.mark.parametrize("data,model", [(8, 1), (4, 2)])
+def test_gathering_rows_shard_by_shard_is_a_plain_gather(data, model):
+    """`gather_rows` on split rows equals `take` on one device, whatever shards the survivors come from
+    (all from one shard, repeated, reordered), for results smaller and larger than the input."""
+    mesh = make_mesh(data=data, model=model)
+    rng = np.random.default_rng(0)
+    tree = {"k": rng.normal(size=(16, 4, 6)).astype(np.float32), "n": np.arange(16, dtype=np.int32)}
+    placed = {
+        "k": jax.device_put(
+            tree["k"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
+        ),
+        "n": jax.device_put(tree["n"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))),
+    }
+    take = lambda t, i: jax.tree.map(lambda x: x[i], t)
+    gather = jax.jit(lambda t, i: gather_rows(t, i, take))
+    for index in ([0, 1, 0, 1, 0, 1, 0, 1], [15] * 8, rng.permutation(16), rng.integers(0, 16, 32)):
+        index = np.asarray(index, np.int32)
+        with jax.set_mesh(mesh):
+            got = gather(placed, jnp.asarray(index))
+        np.testing.assert_array_equal(got["k"], tree["k"][index])
+        np.testing.assert_array_equal(got["n"], tree["n"][index])
+        assert got["k"].sharding.spec[0] == "data"
