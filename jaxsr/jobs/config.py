@@ -11,6 +11,7 @@ from typing import Any
 
 from jaxsr.checks import user_path
 from jaxsr.configs import check_field_types, check_mesh_keys, content_fingerprint, load_config
+from jaxsr.models.config import check_kv_dtype
 
 METHODS = (
     "generate",
@@ -44,6 +45,7 @@ SHARED_KEYS = frozenset(
         "top_p",
         "seed",
         "dtype",
+        "kv_dtype",
         "chat",
         "mesh_data",
         "mesh_model",
@@ -68,6 +70,7 @@ LATER_KEYS = (
     "keep_token_ids",
     "keep_samples",
     "keep_rejected",
+    "kv_dtype",
 )
 """Keys added after job files existed: at their defaults they leave a job's fingerprint as it was, so
 the output of a job started before them still resumes."""
@@ -140,6 +143,10 @@ class JobConfig:
     """Store every sample (False: only the best, in `best`)."""
     seed: int = 0
     dtype: str = "float32"
+    kv_dtype: str | None = None
+    """The KV cache of `model` and `draft`: None (in `dtype`) or `int8` (int8 keys and values with a
+    float32 scale per token and KV head: a memory budget in bytes holds about 2× the rows of bfloat16,
+    4× float32). Sampling is from the models with that cache; reward models keep theirs in `dtype`."""
     chat: bool | None = None
     mesh_data: int | None = None
     """Split each batch's rows over this many of the host's devices (-1: all left after `mesh_model`).
@@ -172,6 +179,7 @@ class JobConfig:
             raise ValueError(f"rule: expected one of {RULES}, got {self.rule!r}")
         if self.min_keep not in (0, 1):
             raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {self.min_keep}")
+        check_kv_dtype(self.kv_dtype)
         check_mesh_keys(self)
         self._check_needs()
         used = self.used_keys()

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from jax.sharding import Mesh
+
 from jaxsr.checks import check_positive_int
 from jaxsr.decoding.api import (
     contrastive_decode,
@@ -66,10 +68,15 @@ DECODER_BUILDERS: dict[str, Callable[..., Any]] = {
 }
 
 
+def load_decoder(config: JobConfig, key: str, mesh: Mesh | None) -> Model:
+    """The job's `model` or `draft` (`key`), its KV cache stored as `kv_dtype`."""
+    return resolve_model(getattr(config, key), config.dtype, mesh, key=key).with_kv_dtype(config.kv_dtype)
+
+
 def build_solver(config: JobConfig) -> Solver:
     """The job's method over its loaded models."""
     mesh = mesh_from_keys(config)
-    model = resolve_model(config.model, config.dtype, mesh)
+    model = load_decoder(config, "model", mesh)
     models: tuple[Model, ...] = (model,)
     reward: Reward | None = None
     sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
@@ -80,7 +87,7 @@ def build_solver(config: JobConfig) -> Solver:
             model, prompts, num_samples=config.num_samples, max_rows=config.max_rows, **kw
         )
     elif config.method in PAIR_METHODS:
-        second = resolve_model(config.draft, config.dtype, mesh, key="draft")
+        second = load_decoder(config, "draft", mesh)
         models = (model, second)
         kind = PAIR_METHODS[config.method]
         decode, extra = PAIR_DECODE[kind], {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
@@ -92,9 +99,7 @@ def build_solver(config: JobConfig) -> Solver:
         reward = resolve_reward(config.reward, config.dtype, mesh)
         if config.decoder is not None:
             extra = {name: getattr(config, name) for name in DECODER_OPTIONS[config.decoder]}
-            model = DECODER_BUILDERS[config.decoder](
-                model, resolve_model(config.draft, config.dtype, mesh, key="draft"), **extra
-            )
+            model = DECODER_BUILDERS[config.decoder](model, load_decoder(config, "draft", mesh), **extra)
             models = model.models
         sampler = as_sampler(model, sampling)
         if config.method == "best_of_n":

@@ -24,7 +24,7 @@ from jaxsr.loading.hf_config import decoder_config_from_hf, hf_config_from_decod
 from jaxsr.loading.params import place_params
 from jaxsr.loading.safetensors import SafetensorsCheckpoint, write_safetensors
 from jaxsr.loading.weights import convert_hf_tensors, export_hf_tensors
-from jaxsr.models.config import DecoderConfig
+from jaxsr.models.config import DecoderConfig, check_kv_dtype
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model, RewardModel
 from jaxsr.sharding import check_mesh
@@ -184,16 +184,22 @@ def load_model(
     source: str | Path,
     *,
     dtype: str = "float32",
+    kv_dtype: str | None = None,
     mesh: Mesh | None = None,
     revision: str | None = None,
     cache: bool = True,
 ) -> Model:
     """Load a causal LM (or, for a *ForSequenceClassification checkpoint, a `RewardModel`).
 
+    `kv_dtype`: None keeps the KV cache in `dtype`; `int8` stores keys and values as int8 with a
+    float32 scale per token and KV head (`DecoderConfig.kv_dtype`), so a memory budget holds about 2×
+    the rows of bfloat16 (4× float32). A reward model keeps a float cache.
+
     `cache`: reuse (and write) converted parameters under `$JAXSR_CACHE_DIR` for GGUF files and large
     checkpoints (see `jaxsr.loading.param_cache`); False bypasses the cache entirely.
     """
-    return _load(source, dtype, mesh, revision, cache)
+    check_kv_dtype(kv_dtype)  # before anything is read
+    return _load(source, dtype, mesh, revision, cache).with_kv_dtype(kv_dtype)
 
 
 def load_reward_model(
