@@ -87,7 +87,7 @@ def plan(
     config_path: str, overrides: list[str], target_name: str, prompt_tokens: int, layers: int | None,
     json_path: str | None,
 ) -> str:  # fmt: skip
-    """A job's plan for a TPU slice as a table (and as JSON at `json_path`)."""
+    """A job's plan for a TPU slice or a GPU host as a table (and as JSON at `json_path`)."""
     job = plan_job(load_job_config(config_path, overrides), target(target_name), prompt_tokens, layers)
     if json_path is not None:
         Path(json_path).expanduser().write_text(json.dumps(plan_dict(job), indent=2) + "\n")
@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                 rejection_rate=args.rejection_rate, gamma=args.gamma, seed=args.seed,
                 progress=not args.no_progress,
             )  # fmt: skip
-    except (ValueError, TypeError, OSError) as e:  # OSError: a file or hub download that fails
+    # OSError: a file or hub download that fails; ImportError: an optional package it needs (a plan's)
+    except (ValueError, TypeError, OSError, ImportError) as e:
         print(f"jaxsr: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: what was written stays complete, and a re-run resumes

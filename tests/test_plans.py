@@ -127,13 +127,18 @@ def test_a_gpu_is_described_to_xla_from_its_published_figures():
     assert "major: 8 minor: 0" in gpus.target_config(gpus.GPUS["a100-80"])
 
 
-def test_a_gpu_plan_without_the_cuda_plugin_says_what_to_install(monkeypatch):
+def test_a_gpu_plan_without_the_cuda_plugin_says_what_to_install(monkeypatch, capsys):
     from jaxlib import xla_client
 
     monkeypatch.setattr(xla_client, "pjrt_plugin_loaded", lambda name: False)
     monkeypatch.setattr(gpus, "plugin_location", lambda: None)
     with pytest.raises(ImportError, match=r"pip install 'jaxsr\[plan\]'.*cuda-plan"):
         gpus.cuda_devices(gpus.GPUS["h100"], 8)
+    assert main(["plan", "configs/generate_alpaca.yaml", "--target", "h100x8"]) == 2  # one line, no traceback
+    error = capsys.readouterr().err
+    assert (
+        error.startswith("jaxsr: error: ") and "pip install 'jaxsr[plan]'" in error and error.count("\n") == 1
+    )
 
 
 HLO = """\
