@@ -119,6 +119,10 @@ def test_a_slot_counts_the_int8_entries_and_their_scales(dtype):
     ratio = model.kv_slot_bytes / int8.kv_slot_bytes  # 4·64/68 and 2·64/68
     assert ratio == pytest.approx(4 * D / (D + 4) if dtype == jnp.float32 else 2 * D / (D + 4))
     assert int8.with_kv_dtype(None).config == model.config and model.with_kv_dtype(None) is model
+    built = Model.from_module(
+        Decoder(tiny_config(head_dim=64, kv_dtype="int8"), dtype=dtype, rngs=nnx.Rngs(0))
+    )
+    assert built.kv_slot_bytes == int8.kv_slot_bytes  # a decoder built with the option
 
 
 def test_speculative_rejection_starts_wider_in_the_same_memory():
@@ -273,10 +277,15 @@ def test_int8_decoding_is_the_same_on_a_mesh_and_scales_are_split_like_their_cac
         prefilled = sampler.prefill(tokens, jnp.ones_like(tokens))
         state = sampler.init_state(prefilled, _new_rows(4, 2, 16), capacity=16)
         state = sampler.decode_loop(state, prefilled[1], None)
-    for cache in (prefilled[1][0], state.rows[0]):  # prompts (4 over data=4) and rows; KV heads over model
+        index = jnp.asarray([1, 3, 5, 7, 0, 2, 4, 6], jnp.int32)
+        compacted = sampler.compact(state, index, jnp.ones(8, bool), 16)  # rows move between shards
+    for cache in (prefilled[1][0], state.rows[0], compacted.rows[0]):  # prompts (4 over data=4), rows
         for k, v, k_scale, v_scale in zip(cache.k, cache.v, cache.k_scale, cache.v_scale, strict=True):
             specs = {tuple(x.sharding.spec)[:2] for x in (k, v, k_scale, v_scale)}
-            assert specs == {("data", "model")}, specs
+            assert specs == {("data", "model")}, specs  # rows over data, KV heads over model
+    before, after = state.rows[0], compacted.rows[0]
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(new, np.asarray(old)[np.asarray(index)])
 
 
 # -- quality: the int8 cache against the float cache, teacher-forced through the caches ----------------
