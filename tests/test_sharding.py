@@ -222,42 +222,52 @@ def test_a_derived_memory_budget_is_the_fullest_mesh_device(monkeypatch):
 
 def test_a_derived_search_budget_is_shared_by_the_prompts_in_flight(lm, monkeypatch):
     """Derived from the device, a prompt's budget is the fullest device's free slots split among the
-    prompts in flight (with `n` given or not), then counted over the `data` shards (`mesh_budget`)."""
+    prompts in flight (with `n` given or not), then counted over the `data` shards (`mesh_budget`),
+    each row's working memory beside its cache counted (`row_reserve`)."""
     from jaxsr.search import memory
 
     sampler = as_sampler(shard_model(lm, make_mesh(data=4, model=2)), SAMPLING)
     monkeypatch.setattr(memory, "device_free_bytes", lambda devices: 10**6)
     one_device = int(10**6 * memory.DEVICE_HEADROOM) // sampler.slot_bytes
-    assert memory.prompt_budget(sampler, None, 16, 32, None, copies=1) == 16 + 4 * (one_device - 16 - 32)
+    work = -(-6 * 4 * lm.config.vocab_size // sampler.slot_bytes)  # 6 float32 vocabulary rows, in slots
+    assert memory.row_reserve(sampler, True) == work and memory.row_reserve(sampler, False) == 0
+    row = 32 + work
+    assert memory.prompt_budget(sampler, None, 16, 32, None, copies=1) == 16 + 4 * (one_device - 16 - row)
     half = one_device // 2
-    assert memory.prompt_budget(sampler, None, 16, 32, 8, copies=2) == 16 + 4 * (half - 16 - 32)
+    assert memory.prompt_budget(sampler, None, 16, 32, 8, copies=2) == 16 + 4 * (half - 16 - row)
     assert memory.prompt_budget(sampler, 4096, 16, 32, None, copies=2) == 4096  # as given
     assert memory.mesh_budget(85, 16, 64, shards=8) == 85  # one device's share when it is more
 
 
 def test_a_derived_search_budget_counts_the_data_shards_and_fits_on_each_device(lm, monkeypatch):
-    """80 free slots a device: alone SR starts 4 rows; on 8 `data` shards 24 (3 a device), and no
-    round puts more than 80 slots on a device (prompt cache on each, rows split, mesh padding
+    """80 free slots a device: alone (a budget of 80 KV slots) SR starts 4 rows; derived on 8 `data`
+    shards 15 (2 a device: each row's working memory counted beside its cache), and no round puts more
+    than 80 slots on a device (prompt cache on each, rows split and their working memory, mesh padding
     counted). The search is the one a single device runs with the same budget."""
     from jaxsr.rewards import SelfLikelihood
     from jaxsr.search import memory
 
     sharded = shard_model(lm, make_mesh(data=8))
     slot_bytes = lm.kv_slot_bytes
+    free = {"slots": 80.5}
     monkeypatch.setattr(
-        memory, "device_free_bytes", lambda devices: int(80.5 * slot_bytes / memory.DEVICE_HEADROOM)
+        memory, "device_free_bytes", lambda devices: int(free["slots"] * slot_bytes / memory.DEVICE_HEADROOM)
     )
     kwargs = dict(rejection_rate=0.5, max_new_tokens=16, sampling=SAMPLING, seed=2, min_first_segment=16)
     prompt = [[3, 1, 4, 1, 5, 9]]
     alone = jaxsr.speculative_rejection(lm, SelfLikelihood(), prompt, memory_budget=80, **kwargs)[0]
     assert alone.stats["initial_batch"] == 4
     wide = jaxsr.speculative_rejection(sharded, SelfLikelihood(), prompt, **kwargs)[0]
-    assert wide.stats["memory_budget_slots"] == 16 + 8 * (80 - 16 - 16)
-    assert wide.stats["initial_batch"] == 24
+    work = memory.row_reserve(as_sampler(sharded, SAMPLING), True)  # 6 slots a row for this model
+    assert wide.stats["memory_budget_slots"] == 16 + 8 * (80 - 16 - 16 - work)
+    assert wide.stats["initial_batch"] == 15  # (80 - 16 - 16 - 6) × 8 slots for rows of 16 + 6
     for round_ in wide.stats["round_log"]:
         rows, slots = round_["batch_size"], round_["kv_bytes"] // slot_bytes - 16
-        assert rows % 8 == 0 and 16 + slots // 8 <= 80, round_  # one device: its prompt cache and rows
-    same = jaxsr.speculative_rejection(lm, SelfLikelihood(), prompt, memory_budget=400, **kwargs)[0]
+        # one device: its prompt cache, its rows' caches and their working memory
+        assert rows % 8 == 0 and 16 + slots // 8 + rows // 8 * work <= 80, round_
+    free["slots"] = wide.stats["memory_budget_slots"] + 0.5  # one device with that derived budget
+    same = jaxsr.speculative_rejection(lm, SelfLikelihood(), prompt, **kwargs)[0]
+    assert same.stats["memory_budget_slots"] == wide.stats["memory_budget_slots"]
     assert [s.token_ids for s in wide.samples] == [s.token_ids for s in same.samples]
     assert wide.best.index == same.best.index
 

@@ -21,7 +21,14 @@ from jaxsr.plans.abstract import abstract_model, bytes_per_device
 from jaxsr.plans.compiled import Batch, Plan, Program, plan_batch, plan_scores
 from jaxsr.plans.sources import hf_config_of
 from jaxsr.plans.targets import GIB, Target, target_mesh
-from jaxsr.search.memory import DEVICE_HEADROOM, MemoryPlan, mesh_budget, parse_bytes, rows_within
+from jaxsr.search.memory import (
+    DEVICE_HEADROOM,
+    MemoryPlan,
+    mesh_budget,
+    parse_bytes,
+    row_reserve,
+    rows_within,
+)
 from jaxsr.sharding import data_shards, padded_rows
 
 BUILT_IN_REWARDS = ("self_likelihood", "neg_perplexity", "minilm")
@@ -184,10 +191,8 @@ def job_batch(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: in
     if config.method == "speculative_rejection":
         return first_rung(config, sampler, budget, prompt_slots)
     if config.method == "best_of_n":
-        rows, samples = (
-            rows_within(budget, prompt_slots, bucket(new) + sampler.headroom, config.n),
-            config.n,
-        )
+        row = bucket(new) + row_reserve(sampler, config.memory_budget is None)
+        rows, samples = rows_within(budget, prompt_slots, row, config.n), config.n
     else:
         rows, samples = config.max_rows or default_rows(sampler), config.num_samples
     layout = next(batches([[0] * prompt_slots] * rows, samples, rows, mesh))[0]
@@ -197,12 +202,13 @@ def job_batch(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: in
 def first_rung(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: int) -> Batch:
     """Speculative Rejection's first rows of `concurrent_prompts` searches in one batch, each within
     its share of `budget` (`prompt_budget`: a derived budget counts every `data` shard)."""
-    row, copies = bucket(config.max_new_tokens) + sampler.headroom, config.concurrent_prompts
+    reserve, copies = row_reserve(sampler, config.memory_budget is None), config.concurrent_prompts
     if config.memory_budget is None:
+        row = bucket(config.max_new_tokens) + reserve
         budget = mesh_budget(budget // copies, prompt_slots, row, data_shards(sampler.mesh))
     memory = MemoryPlan(
         budget, prompt_slots, config.max_new_tokens, config.n, config.rejection_rate,
-        config.min_first_segment, sampler.headroom,
+        config.min_first_segment, reserve,
     )  # fmt: skip
     first = memory.ladder[0]
     rows = padded_rows(first, sampler.mesh)

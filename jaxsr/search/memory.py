@@ -90,6 +90,21 @@ def budget_slots(
     return slots
 
 
+def row_reserve(sampler: Sampler, from_device: bool) -> int:
+    """Slots a row holds beyond its segment: the sampler's look-ahead, and where the budget is the
+    device's own memory (`from_device`) the decode step's working memory per row
+    (`Sampler.row_work_bytes`, in slots) — a budget the user gives counts KV only."""
+    work = -(-sampler.row_work_bytes // sampler.slot_bytes) if from_device else 0
+    return sampler.headroom + work
+
+
+def derived(sampler: Sampler, memory_budget: Any) -> bool:
+    """Whether a search budget comes from the devices' free memory (None given, a device that tells)."""
+    mesh = sampler.mesh
+    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
+    return memory_budget is None and device_free_bytes(devices) is not None
+
+
 def prompt_budget(
     sampler: Sampler, memory_budget: Any, prompt_slots: int, max_new_tokens: int, n: int | None, copies: int
 ) -> int:
@@ -99,9 +114,8 @@ def prompt_budget(
     mesh = sampler.mesh
     fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
     budget = budget_slots(memory_budget, sampler.slot_bytes, fallback, mesh, copies=copies)
-    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
-    if memory_budget is None and device_free_bytes(devices) is not None:
-        row = bucket(max_new_tokens) + sampler.headroom
+    if derived(sampler, memory_budget):
+        row = bucket(max_new_tokens) + row_reserve(sampler, True)
         budget = mesh_budget(budget // copies, prompt_slots, row, data_shards(mesh))
     return budget
 
@@ -128,7 +142,7 @@ def batch_ladder(first: int, rejection_rate: float) -> list[int]:
 class MemoryPlan:
     """Memory plan for one prompt's Speculative Rejection: first batch, ladder, and each rung's
     row-cache length. A row of a rung takes `capacity(rows)` slots for its segment plus `headroom`
-    look-ahead slots."""
+    slots (`row_reserve`: look-ahead, and working memory where the budget is the device's)."""
 
     def __init__(
         self,
@@ -185,7 +199,7 @@ def best_of_n_rows(
     included: n samples of a prompt in chunks when a batch cannot hold them all, several prompts
     (each with its own prompt cache) when it holds more."""
     slots = budget_slots(memory_budget, sampler.slot_bytes, mesh=sampler.mesh)
-    per_row = bucket(max_new_tokens) + sampler.headroom
+    per_row = bucket(max_new_tokens) + row_reserve(sampler, derived(sampler, memory_budget))
     return rows_within(slots, bucket(max(map(len, encoded))), per_row, n)
 
 

@@ -55,7 +55,7 @@ from jaxsr.models.model import Model
 from jaxsr.results import Rejected, Result, Sample
 from jaxsr.rewards import as_reward
 from jaxsr.search.candidates import check_reward
-from jaxsr.search.memory import MemoryPlan, prompt_budget
+from jaxsr.search.memory import MemoryPlan, derived, prompt_budget, row_reserve
 from jaxsr.search.scheduler import Batch, Decision, PromptSearch, run_searches
 
 Rule = Literal["keep_fraction", "quantile"]
@@ -238,7 +238,7 @@ def speculative_rejection(
         )
         plan = MemoryPlan(
             budget, prompt_slots, request.max_new_tokens, n, config.rate, config.min_first_segment,
-            sampler.headroom,
+            row_reserve(sampler, derived(sampler, memory_budget)),
         )  # fmt: skip
         searches.append(PromptSearch(sampler, reward, request, i, Rejection(config, plan)))
     with sampler.on_mesh():
