@@ -301,11 +301,17 @@ def test_a_teacher_that_cannot_load_is_named_and_nothing_is_written(prompt_sets,
     assert not (tmp_path / "o" / "data").exists()
 
 
-def test_a_max_length_no_prompt_fits_under_is_refused_before_sampling(teacher_dir, prompt_sets, tmp_path):
+def test_a_max_length_no_prompt_fits_under_is_refused_before_the_teacher_loads(
+    teacher_dir, prompt_sets, tmp_path, monkeypatch
+):
+    """The prompts are encoded from the teacher's config and tokenizer alone: its weights never load."""
+    monkeypatch.setattr(
+        sys.modules["jaxsr.training.distill"], "resolve_model", lambda *a, **k: pytest.fail("a model loaded")
+    )
     config = run_config(teacher_dir, prompt_sets, tmp_path, max_length=8)
     with pytest.raises(ValueError, match="max_length: every training prompt"):
         distill(config, progress=False)
-    assert not (tmp_path / "data").exists()
+    assert list(tmp_path.iterdir()) == []  # no lock, no data
 
 
 def test_prompts_left_after_the_heldout_set_are_required(prompt_sets, tmp_path):

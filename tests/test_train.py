@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -369,6 +370,28 @@ def test_data_that_gives_no_example_is_refused_before_the_model_loads(tmp_path, 
     with pytest.raises(ValueError, match=message):
         sft(config)
     assert not (tmp_path / "o").exists()
+
+
+def test_what_the_tokenizer_refuses_is_refused_before_the_weights_load(
+    checkpoint, results, tmp_path, monkeypatch
+):
+    """Checks that need the model's tokenizer or config run on its header (`read_header`): a draft
+    with a subset head, and data no response of which fits `max_length`, load no weights."""
+    monkeypatch.setattr(
+        sys.modules["jaxsr.training.sft"], "resolve_model", lambda *a, **k: pytest.fail("weights loaded")
+    )
+    short = run_config(checkpoint, results, tmp_path / "short", max_length=4)
+    with pytest.raises(ValueError, match="no selected response fits max_length=4"):
+        sft(short)
+    subset = tmp_path / "subset-head"  # the checkpoint's config names a head of 3 ids (its weights: any)
+    shutil.copytree(checkpoint, subset)
+    config = json.loads((subset / "config.json").read_text())
+    (subset / "config.json").write_text(json.dumps({**config, "jaxsr_head_token_ids": [0, 1, 2]}))
+    with pytest.raises(
+        ValueError, match=r"model: .*subset-head scores only 3 of its 259 ids \(a distilled draft\)"
+    ):
+        sft(run_config(subset, results, tmp_path / "draft"))
+    assert not (tmp_path / "short").exists() and not (tmp_path / "draft").exists()
 
 
 def test_the_cli_refuses_a_bad_config_in_one_line(tmp_path, capsys):

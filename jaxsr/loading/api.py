@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -200,6 +201,28 @@ def load_model(
     """
     check_kv_dtype(kv_dtype)  # before anything is read
     return _load(source, dtype, mesh, revision, cache).with_kv_dtype(kv_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """What a checkpoint's config and tokenizer say, its weights unread: enough to check data against
+    the model (vocabulary, context, chat template, EOS ids) before loading it."""
+
+    config: DecoderConfig
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    name: str
+
+
+def read_header(source: str | Path, revision: str | None = None) -> Header:
+    """The `Header` of what `load_model(source)` would load (a hub id is downloaded as for loading)."""
+    path = resolve_source(source, revision)
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if not is_gguf and not path.is_dir():
+        raise ValueError(f"source: {source} is neither a checkpoint directory nor a .gguf file")
+    hf_config, config, _, tokenizer = _read_checkpoint(path, is_gguf)
+    eos = _eos_ids(hf_config, path, is_gguf, tokenizer, config.vocab_size)
+    return Header(config, tokenizer, eos, str(source))
 
 
 def load_reward_model(

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from jaxsr.loading.api import load_model, load_reward_model
+from jaxsr.loading.api import Header, load_model, load_reward_model, read_header
 from jaxsr.models.model import Model
 from jaxsr.rewards import Reward, SelfLikelihood, as_reward
 from jaxsr.sharding import make_mesh
@@ -38,19 +39,31 @@ def _config_key(key: str) -> Iterator[None]:
         raise ValueError(f"{key}: {e}") from e
 
 
-def resolve_model(name: str, dtype: str, mesh: Mesh | None = None, key: str = "model") -> Model:
+def _source(name: str) -> str | Path:
     """`smollm2` names the embedded SmolLM2-135M-Instruct and `smollm2-draft` its shipped draft/amateur;
-    anything else goes to `load_model`. Errors name the config `key`."""
+    anything else is a path or hub id as given."""
+    if name == "smollm2":
+        from jaxsr.loading.gguf import smollm2_path
+
+        return smollm2_path()
+    if name == "smollm2-draft":
+        from jaxsr.loading.embedded import smollm2_draft_path
+
+        return smollm2_draft_path()
+    return name
+
+
+def resolve_model(name: str, dtype: str, mesh: Mesh | None = None, key: str = "model") -> Model:
+    """The model a config names (`_source`) loaded by `load_model`. Errors name the config `key`."""
     with _config_key(key):
-        if name == "smollm2":
-            from jaxsr.loading.gguf import smollm2_path
+        return load_model(_source(name), dtype=dtype, mesh=mesh)
 
-            return load_model(smollm2_path(), dtype=dtype, mesh=mesh)
-        if name == "smollm2-draft":
-            from jaxsr.loading.embedded import smollm2_draft_path
 
-            return load_model(smollm2_draft_path(), dtype=dtype, mesh=mesh)
-        return load_model(name, dtype=dtype, mesh=mesh)
+def resolve_header(name: str, key: str = "model") -> Header:
+    """The config and tokenizer of the model a config names, its weights unread (`read_header`): what
+    checks of the data against the model need before the model loads. Errors name the config `key`."""
+    with _config_key(key):
+        return read_header(_source(name))
 
 
 def resolve_reward(name: str | None, dtype: str, mesh: Mesh | None = None) -> Reward:

@@ -103,6 +103,18 @@ class _OrbaxErrors(logging.Filter):
         return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
 
 
+class _OrbaxTasks(logging.Filter):
+    """Drops asyncio's reports of orbax writer tasks whose failure nobody read (a failed save's)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.getMessage())
+
+
+_ABANDONED_TASKS = _OrbaxTasks()
+"""Installed on asyncio's logger for good: a failed save's abandoned tasks are reported when they are
+collected, which can be after the checkpoints are closed."""
+
+
 @contextlib.contextmanager
 def _writer_reports_dropped() -> Iterator[None]:
     """Inside: orbax's error logs, and its writer callbacks' 'Event loop is closed' errors after a
@@ -116,6 +128,7 @@ def _writer_reports_dropped() -> Iterator[None]:
             previous(report)
 
     logger.addFilter(errors)
+    logging.getLogger("asyncio").addFilter(_ABANDONED_TASKS)  # once: a filter is added only once
     sys.unraisablehook = unraisable
     try:
         yield

@@ -27,6 +27,7 @@ import numpy as np
 from jaxsr.checks import finite
 from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.ladder import fine_bucket
+from jaxsr.loading.api import Header
 from jaxsr.models.model import Model
 from jaxsr.text import check_conversation, encode, left_pad
 
@@ -133,10 +134,11 @@ def select_responses(
 
 
 def tokenize_examples(
-    model: Model, pairs: list[tuple[Any, dict[str, Any]]], *, chat: bool | None, max_length: int
+    model: Model | Header, pairs: list[tuple[Any, dict[str, Any]]], *, chat: bool | None, max_length: int
 ) -> list[Example]:
     """Prompt ids (as inference encodes them) + response text ids + EOS when the response finished,
-    cut to `max_length`; an example left without a response token is dropped."""
+    cut to `max_length`; an example left without a response token is dropped. `model` may be a
+    checkpoint's `Header` (its tokenizer, config and EOS ids are all this reads)."""
     if model.tokenizer is None:
         raise ValueError(f"model: {model.name or 'the model'} has no tokenizer to encode the responses")
     distinct = {json.dumps(p): p for p, _ in pairs}  # each prompt encoded once

@@ -48,8 +48,8 @@ from jaxsr.decoding.loop import NO_PAUSE
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.state import DecodeState, to_host
 from jaxsr.ladder import bucket
-from jaxsr.loading.api import DTYPES, save_model
-from jaxsr.loading.resolve import mesh_from_keys, resolve_model
+from jaxsr.loading.api import DTYPES, Header, save_model
+from jaxsr.loading.resolve import mesh_from_keys, resolve_header, resolve_model
 from jaxsr.locks import holding
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
@@ -211,9 +211,10 @@ def start_labels(labels: TeacherLabels, state: DecodeState, first_logits: jax.Ar
 
 
 def teacher_request(
-    teacher: Model, prompts: list[str], config: DistillConfig, first_prompt_id: int
+    teacher: Model | Header, prompts: list[str], config: DistillConfig, first_prompt_id: int
 ) -> Request:
-    """The prompts encoded and the sampling checked, as every decoding call does it."""
+    """The prompts encoded and the sampling checked, as every decoding call does it (the teacher's
+    `Header` is enough)."""
     options = Options(config.max_new_tokens, config.sampling(), config.seed, config.chat, (), first_prompt_id)
     return prepare((teacher,), prompts, options)
 
@@ -523,20 +524,22 @@ def distill(config: DistillConfig, *, progress: bool = True) -> Path:
     if output.exists() and not output.is_dir():
         raise ValueError(f"output_dir: {output} exists and is not a directory")
     train_prompts, held_prompts = split_prompts(config)
+    # the prompts encoded from the teacher's config and tokenizer, checked before its weights load
+    header = resolve_header(config.teacher, key="teacher")
+    max_length = min(config.max_length, header.config.context)  # no sequence is longer than its context
+    train_request = teacher_request(header, train_prompts, config, 0)
+    held_request = teacher_request(header, held_prompts, config, len(train_prompts))
+    if min(map(len, train_request.encoded)) >= max_length:
+        raise ValueError(
+            f"max_length: every training prompt has at least {max_length} tokens, so no response "
+            "token would be trained on"
+        )
     with holding(output / "distill"):
         mesh = mesh_from_keys(config)
         teacher = resolve_model(config.teacher, "float32", mesh, key="teacher")
-        max_length = min(config.max_length, teacher.config.context)  # no sequence is longer than its context
         walls: dict[str, float] = {}
         t0 = time.perf_counter()
         data = output / "data"
-        train_request = teacher_request(teacher, train_prompts, config, 0)
-        held_request = teacher_request(teacher, held_prompts, config, len(train_prompts))
-        if min(map(len, train_request.encoded)) >= max_length:
-            raise ValueError(
-                f"max_length: every training prompt has at least {max_length} tokens, so no response "
-                "token would be trained on"
-            )
         common = dict(config=config, progress=progress)
         held_paths = write_chunks(teacher, held_request, data, name="heldout", samples_per_prompt=1, **common)
         train_paths = write_chunks(

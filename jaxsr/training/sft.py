@@ -19,7 +19,7 @@ from flax import nnx
 from jaxsr.checks import user_path
 from jaxsr.configs import check_field_types, check_mesh_keys, load_config
 from jaxsr.loading.api import save_model
-from jaxsr.loading.resolve import mesh_from_keys, resolve_model
+from jaxsr.loading.resolve import mesh_from_keys, resolve_header, resolve_model
 from jaxsr.locks import holding
 from jaxsr.training.data import (
     SELECTIONS,
@@ -144,18 +144,9 @@ def sft(config: SFTConfig, *, progress: bool = True) -> Path:
     pairs = select_responses(read_results(config.data), config.select, k=config.k, threshold=config.threshold)
     if not pairs:
         raise ValueError(f"data: {config.data}: no response selected ({_selection(config)})")
+    examples, max_length = _examples(config, pairs)  # from the model's config and tokenizer: no weights yet
     with holding(output / "sft"):
-        mesh = mesh_from_keys(config)
-        model = resolve_model(config.model, "float32", mesh)
-        if model.config.head_token_ids is not None:  # its loss would be infinite at any other id
-            raise ValueError(
-                f"model: {config.model} scores only {model.config.head_size} of its "
-                f"{model.config.vocab_size} ids (a distilled draft); fine-tuning needs a full output layer"
-            )
-        max_length = min(config.max_length, model.config.context)  # no example is longer than its context
-        examples = tokenize_examples(model, pairs, chat=config.chat, max_length=max_length)
-        if not examples:
-            raise ValueError(f"data: {config.data}: no selected response fits max_length={config.max_length}")
+        model = resolve_model(config.model, "float32", mesh_from_keys(config))
         run = Run(
             config=config,
             model=model,
@@ -182,6 +173,23 @@ def sft(config: SFTConfig, *, progress: bool = True) -> Path:
         }
         write_report(output / "sft.json", report)
         return final
+
+
+def _examples(config: SFTConfig, pairs: list) -> tuple[list[Example], int]:
+    """The selected responses encoded as the model's tokenizer and template encode them, cut to the
+    model's context, and that length; refused (naming the key) where the model or the data cannot
+    be trained on — all read from the model's header, before its weights load."""
+    header = resolve_header(config.model)
+    if header.config.head_token_ids is not None:  # its loss would be infinite at any other id
+        raise ValueError(
+            f"model: {config.model} scores only {header.config.head_size} of its "
+            f"{header.config.vocab_size} ids (a distilled draft); fine-tuning needs a full output layer"
+        )
+    max_length = min(config.max_length, header.config.context)  # no example is longer than its context
+    examples = tokenize_examples(header, pairs, chat=config.chat, max_length=max_length)
+    if not examples:
+        raise ValueError(f"data: {config.data}: no selected response fits max_length={config.max_length}")
+    return examples, max_length
 
 
 def _selection(config: SFTConfig) -> str:
