@@ -5,6 +5,7 @@ their own: XLA_FLAGS' fake CPU devices play no part."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from jax.sharding import PartitionSpec
 
 from jaxsr.cli import main
 from jaxsr.decoding import loop
+from jaxsr.jobs.config import JobConfig
 from jaxsr.ladder import bucket
 from jaxsr.loading.hf_config import decoder_config_from_hf
 from jaxsr.plans import (
@@ -32,6 +34,7 @@ from jaxsr.plans import (
     target_mesh,
 )
 from jaxsr.plans.compiled import abstract_tokens, compile_for
+from jaxsr.plans.job import first_rung, job_sampler
 from jaxsr.plans.targets import LIBRARY_ENV, has_libtpu
 from jaxsr.search import memory
 from jaxsr.sharding import on_mesh
@@ -497,3 +500,26 @@ def test_plan_usage_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "configs/speculative_rejection_gemma2_9b.yaml"])
     assert e.value.code == 2 and "--target" in capsys.readouterr().err
+
+
+@needs_libtpu
+def test_an_sr_plan_counts_each_rows_working_memory_and_starts_wider_with_int8_caches(tmp_path):
+    """Derived from a v5e's memory, SR's first rung leaves each row its decode step's working memory
+    (`memory.row_reserve`) beside its cache on every device; int8 caches start it wider."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B_2_LAYERS))
+    job = JobConfig(
+        method="speculative_rejection", model=str(tmp_path), reward="self_likelihood", dtype="bfloat16",
+        mesh_data=-1, concurrent_prompts=1, max_new_tokens=512,
+    )  # fmt: skip
+    mesh, rows = target_mesh(V5E_8, 8, 1), {}
+    for kv in (None, "int8"):
+        sampler = job_sampler(dataclasses.replace(job, kv_dtype=kv), mesh, None)
+        free = V5E_8.chip.usable_bytes - bytes_per_device(sampler.params)
+        batch = first_rung(job, sampler, int(free * memory.DEVICE_HEADROOM) // sampler.slot_bytes, 128)
+        per_device = batch.rows // 8
+        work = memory.row_reserve(sampler, True) * sampler.slot_bytes
+        assert work >= 6 * 4 * LLAMA_31_8B_2_LAYERS["vocab_size"]
+        used = (128 + per_device * batch.segment) * sampler.slot_bytes + per_device * work
+        assert used <= free * memory.DEVICE_HEADROOM, kv  # caches and working memory fit each device
+        rows[kv] = batch.rows
+    assert rows["int8"] > rows[None]

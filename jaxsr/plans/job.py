@@ -153,13 +153,13 @@ def abstract_from(source: str, config: JobConfig, mesh: Mesh, layers: int | None
 
 def job_sampler(config: JobConfig, mesh: Mesh, layers: int | None) -> Sampler:
     """The sampler the job decodes with (`build_solver`'s): plain sampling of `model`, or the pair
-    method / `decoder` over (`model`, `draft`)."""
-    model = abstract_from(config.model, config, mesh, layers, "model")
+    method / `decoder` over (`model`, `draft`), their caches stored as `kv_dtype`."""
+    model = abstract_from(config.model, config, mesh, layers, "model").with_kv_dtype(config.kv_dtype)
     kind = PAIR_METHODS.get(config.method, config.decoder)
     sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     if kind is None:
         return as_sampler(model, sampling)
-    draft = abstract_from(config.draft, config, mesh, layers, "draft")
+    draft = abstract_from(config.draft, config, mesh, layers, "draft").with_kv_dtype(config.kv_dtype)
     options = {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
     return as_sampler(DECODER_BUILDERS[kind](model, draft, **options), sampling)
 
