@@ -176,6 +176,18 @@ def _ring_gather(part: T, index: jax.Array, *, take: Callable[[T, jax.Array], T]
     return jax.tree.unflatten(treedef, result)
 
 
+def per_row_shard(f: Callable[..., T], *args: jax.Array) -> T:
+    """`f(*args)` for a function of row-led arrays that treats each row alone, run on each `data`
+    shard's rows (under a mesh whose `data` axis divides them): a partitioner that cannot split an
+    operation by rows (XLA GPU's top-k) would otherwise gather every shard's rows onto each device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = 1 if mesh.empty else data_shards(mesh)
+    if shards == 1 or any(x.shape[0] % shards for x in args):
+        return f(*args)
+    spec = PartitionSpec("data")
+    return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names={"data"})(*args)
+
+
 def _rows_where(rows: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     """`a`'s rows where `rows` [B] is True, `b`'s elsewhere."""
     return jnp.where(rows.reshape(-1, *[1] * (a.ndim - 1)), a, b)

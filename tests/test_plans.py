@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec
 
 from jaxsr.cli import main
 from jaxsr.decoding import loop
+from jaxsr.decoding.driver import as_sampler
+from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import JobConfig
 from jaxsr.ladder import bucket
 from jaxsr.loading.hf_config import decoder_config_from_hf
@@ -358,6 +360,21 @@ def test_rows_split_over_eight_h100s_decode_without_gathering(h100_rows_split_pl
     compiled = ", ".join(f"{p.name} {p.compile_s:.1f} s" for p in plan.programs)
     print(f"\nh100x8 data 8 × model 1, {BATCH}: step {decode.flops / 1e9:.2f} GFLOP, ", end="")
     print(f"{decode.bytes_accessed / 2**30:.2f} GiB; compiled: {compiled}")
+
+
+@needs_cuda_plan
+def test_top_k_sampling_over_a_split_vocabulary_gathers_no_rows_across_data_shards():
+    """Rows over 4 `data` shards, the vocabulary over 2 `model` shards, top-k 50: XLA GPU's top-k
+    cannot split by rows and gathered every shard's candidates ([rows, 50·64] over the data shards)
+    each step; top-k runs per data shard (`sharding.per_row_shard`), so the one all-gather left is
+    the model shards' top-50 per row, over the `model` axis."""
+    model = abstract_model(LLAMA_31_8B_2_LAYERS, target_mesh(H100_8, data=4, model=2))
+    sampler = as_sampler(model, SamplingConfig(temperature=1.0, top_k=50, top_p=1.0))
+    batch = Batch(prompts=1, rows=64, prompt_slots=128, max_new_tokens=32)
+    loop = plan_batch(sampler, H100_8, batch).program("decode_loop")
+    assert loop.step_collectives["all-gather"] == 1  # each model shard's top 50 of its vocabulary half
+    # 16 rows a device: their candidates gathered over the 2 model shards, none over the data shards
+    assert loop.gathered == ("((f32[16,50], s32[16,50]), (f32[32,50], s32[32,50]))",)
 
 
 @needs_libtpu

@@ -7,12 +7,14 @@ the same seed gives the same tokens however prompts and samples are batched or b
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 
 from jaxsr.checks import check_int, check_number
 from jaxsr.models.layers import MASKED
+from jaxsr.sharding import per_row_shard
 
 MIN_TEMPERATURE = 1e-4
 """The smallest positive temperature: logits of O(10) over it stay far from float32's overflow."""
@@ -87,7 +89,7 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     tiled = jnp.concatenate([x, fill], axis=-1).reshape(*lead, blocks, TOP_K_BLOCK)
     best = jnp.sort(jax.lax.top_k(tiled.max(-1), k)[1], axis=-1)  # index order keeps lax's tie rule
     candidates = jnp.take_along_axis(tiled, best[..., None], axis=-2).reshape(*lead, k * TOP_K_BLOCK)
-    values, where = jax.lax.top_k(candidates, k)
+    values, where = per_row_shard(partial(jax.lax.top_k, k=k), candidates)
     first = jnp.take_along_axis(best, where // TOP_K_BLOCK, axis=-1) * TOP_K_BLOCK
     return values, (first + where % TOP_K_BLOCK).astype(jnp.int32)
 
