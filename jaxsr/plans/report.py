@@ -67,7 +67,11 @@ def plan_table(plan: JobPlan) -> str:
         f"collectives per decode step: {_counts(loop.step_collectives or {})}",
     ]
     if plan.loop_all_gathers():
-        lines.append(f"  WARNING: all-gathers inside the token loop, shapes {', '.join(loop.gathered)}")
+        lines.append(
+            f"  all-gathers inside the token loop, shapes {', '.join(loop.gathered)} (a vocabulary split "
+            "over `model` gathers each shard's top-k candidates, k per row; a cache, or rows gathered "
+            "over the data shards, would be a fault to report)"
+        )
     lines.append(
         f"decode step (roofline, a lower bound on time): {step['flops'] / 1e9:.1f} GFLOP, "
         f"{format_bytes(int(step['bytes']))} of HBM traffic -> {step['step_s'] * 1e3:.2f} ms "
