@@ -540,3 +540,18 @@ def test_an_sr_plan_counts_each_rows_working_memory_and_starts_wider_with_int8_c
         assert used <= free * memory.DEVICE_HEADROOM, kv  # caches and working memory fit each device
         rows[kv] = batch.rows
     assert rows["int8"] > rows[None]
+
+
+@needs_libtpu
+def test_a_decisions_compaction_on_data_shards_gathers_no_cache():
+    """Speculative Rejection's first decision on a v5e-8 (rows over 8 data shards): one prompt's 512
+    rows gathered to 256 moves survivors between shards by collective-permutes of one shard's part,
+    never an all-gather (or an all-reduce) of a cache; its temporaries stay below one prompt's caches."""
+    model = abstract_model(LLAMA_31_8B_2_LAYERS, target_mesh(V5E_8, data=8, model=1))
+    batch = Batch(prompts=1, rows=512, prompt_slots=128, max_new_tokens=512, next_rows=256, next_segment=512)
+    plan = plan_batch(model, V5E_8, batch)
+    step = plan.program("compact")
+    assert step.collectives["all-gather"] == 0 and step.collectives["collective-permute"] > 0
+    # XLA's partition of a plain gather held the whole compacted cache: 4× the rows' caches a device
+    assert step.temp_bytes < plan.row_cache_bytes
+    assert step.argument_bytes > plan.row_cache_bytes  # the caches are its input

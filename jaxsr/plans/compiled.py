@@ -20,6 +20,7 @@ from jaxsr.decoding import loop
 from jaxsr.decoding.driver import Layout, Prefill, Sampler, as_sampler
 from jaxsr.decoding.inputs import Request
 from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.decoding.state import DecodeState, compact
 from jaxsr.models.model import Model, RewardModel, _scores
 from jaxsr.plans import gpus, hlo
 from jaxsr.plans.abstract import bytes_per_device
@@ -31,13 +32,17 @@ from jaxsr.sharding import batch_sharding, on_mesh
 class Batch:
     """One decode batch as the driver lays it out (`driver.Layout`): `prompts` prompts of up to
     `prompt_slots` tokens, `rows` rows each, decoding up to `max_new_tokens` tokens into row caches of
-    `segment` slots (None: as many; a Speculative Rejection rung's are shorter)."""
+    `segment` slots (None: as many; a Speculative Rejection rung's are shorter). With `next_rows`, a
+    search's decision then compacts one prompt's rows to that many, with row caches of `next_segment`
+    slots (Speculative Rejection's next rung)."""
 
     prompts: int
     rows: int
     prompt_slots: int
     max_new_tokens: int
     segment: int | None = None
+    next_rows: int | None = None
+    next_segment: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +87,8 @@ class Plan:
     parameter_bytes: int
     """One device's shards of the parameters, as the sharding rules place them."""
     programs: tuple[Program, ...]
-    """prefill (and the second model's), start (the rows' first tokens), decode_loop."""
+    """prefill (and the second model's), start (the rows' first tokens), decode_loop, and with the
+    batch's `next_rows` compact (a decision's gather of one prompt's survivors)."""
     row_cache_bytes: int
     """One device's shards of the rows' keys and values (every model's) the token loop writes."""
 
@@ -177,9 +183,34 @@ def plan_batch(model: Model | Sampler, target: Target, batch: Batch) -> Plan:
         _, decode = compile_for(
             target, "decode_loop", lambda: sampler.compiled_loop(start_c.out_info, caches)
         )
-    programs = (*(p for _, p in prefills), start, decode)
-    rows = bytes_per_device([(cache.k, cache.v) for cache in start_c.out_info.rows])
+        programs = (*(p for _, p in prefills), start, decode)
+        if batch.next_rows is not None:
+            one = one_prompt(start_c.out_info, batch.rows)
+            programs += (compile_for(target, "compact", lambda: _compaction(sampler, batch, one))[1],)
+    rows = bytes_per_device([cache.replace(length=()) for cache in start_c.out_info.rows])  # scales too
     return Plan(target, batch, bytes_per_device(sampler.params), programs, rows)
+
+
+def one_prompt(state: DecodeState, rows: int) -> DecodeState:
+    """An abstract decode state of one prompt's `rows` rows, cut from a batch's (the scheduler compacts
+    each prompt's rows on their own)."""
+    batch = state.tokens.shape[0]
+
+    def cut(x: Any) -> Any:
+        if not hasattr(x, "shape") or not x.shape or x.shape[0] != batch:
+            return x
+        return jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=x.sharding)
+
+    return jax.tree.map(cut, state)
+
+
+def _compaction(sampler: Sampler, batch: Batch, state: DecodeState) -> Any:
+    """`state.compact` of one prompt's rows to `batch.next_rows`, compiled."""
+    placed = NamedSharding(sampler.mesh, PartitionSpec())
+    index = jax.ShapeDtypeStruct((batch.next_rows,), jnp.int32, sharding=placed)
+    alive = jax.ShapeDtypeStruct((batch.next_rows,), jnp.bool_, sharding=placed)
+    capacity = batch.next_segment + sampler.headroom
+    return compact.lower(state, index, alive, cache_capacity=capacity).compile()
 
 
 def plan_scores(model: RewardModel, target: Target, rows: int, length: int) -> Program:
