@@ -19,6 +19,8 @@ class Sample:
     """Sum of the generator's log-probabilities of the sampled tokens (stop token included)."""
     index: int | None = None
     """Sample index within its prompt: with the seed and prompt index it fixes the random stream."""
+    stop_token: int | None = None
+    """The EOS or stop id that ended it (`logprob` counts it), None when it ran to `max_new_tokens`."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

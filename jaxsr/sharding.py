@@ -182,7 +182,7 @@ def per_row_shard(f: Callable[..., T], *args: jax.Array) -> T:
     operation by rows (XLA GPU's top-k) would otherwise gather every shard's rows onto each device."""
     mesh = jax.sharding.get_abstract_mesh()
     shards = 1 if mesh.empty else data_shards(mesh)
-    if shards == 1 or any(x.shape[0] % shards for x in args):
+    if shards == 1 or any(x.ndim < 2 or x.shape[0] % shards for x in args):  # [rows, ...] only
         return f(*args)
     spec = PartitionSpec("data")
     return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names={"data"})(*args)

@@ -10,6 +10,7 @@ from tiny import tiny_model
 import jaxsr
 from jaxsr.decoding import loop
 from jaxsr.rewards import ImplicitReward, SelfCertainty, SelfLikelihood
+from jaxsr.search.tree import Tree, TreeShape
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13], [2, 4, 6]]
 SAMPLING = jaxsr.SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)
@@ -84,7 +85,8 @@ def test_every_layer_decodes_in_one_compiled_program():
 @pytest.mark.parametrize(
     "keys, message",
     [
-        (dict(branch=5), "branch: at most n=4"),
+        (dict(branch=5), "branch: expected a divisor of n=4"),
+        (dict(branch=3), "branch: expected a divisor of n=4"),
         (dict(branch=0), "branch"),
         (dict(layers=0), "layers"),
         (dict(n=0), "n"),
@@ -109,7 +111,7 @@ def test_the_implicit_reward_is_the_policy_against_its_reference(lm):
     results = jaxsr.best_of_n(lm, implicit, PROMPTS[:2], n=4, max_new_tokens=10, sampling=SAMPLING, seed=3)
     for prompt, result in zip(PROMPTS[:2], results, strict=True):
         for s in result.samples:
-            response = s.token_ids + [3] * s.finished  # a stopped response ends with its EOS
+            response = s.token_ids + [s.stop_token] * s.finished  # a stopped response ends with its EOS
             expected = s.logprob - reference_logprob(reference, prompt, response)
             assert s.score == pytest.approx(expected, abs=1e-4)
     assert implicit.token_forwards > 0
@@ -144,7 +146,7 @@ def test_self_certainty_is_the_mean_kl_from_uniform_of_the_generators_distributi
     results = jaxsr.best_of_n(lm, certainty, PROMPTS[:2], n=4, max_new_tokens=10, sampling=SAMPLING, seed=5)
     for prompt, result in zip(PROMPTS[:2], results, strict=True):
         for s in result.samples:
-            response = s.token_ids + [3] * s.finished
+            response = s.token_ids + [s.stop_token] * s.finished
             logits = np.asarray(lm.logits([prompt + response]))[0].astype(np.float64)
             top = logits.max(-1, keepdims=True)
             logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
@@ -156,3 +158,38 @@ def test_self_certainty_is_the_mean_kl_from_uniform_of_the_generators_distributi
         lm, certainty, PROMPTS[:1], n=4, branch=2, max_new_tokens=8, sampling=SAMPLING
     )
     assert tree[0].best.score == max(s.score for s in tree[0].samples)
+
+
+def test_the_implicit_reward_reads_the_stop_token_each_response_ended_on():
+    """A model with two EOS ids (as Llama-3-Instruct and Gemma 2 have): a response that ends on the
+    second is compared with the reference on that token, not on the first EOS id."""
+    policy, reference = tiny_model(seed=0, eos_token_ids=(5, 3)), tiny_model(seed=7, eos_token_ids=(5, 3))
+    results = jaxsr.best_of_n(
+        policy,
+        ImplicitReward(policy, reference, kind="sum"),
+        PROMPTS,
+        n=8,
+        max_new_tokens=12,
+        sampling=SAMPLING,
+    )
+    stopped = [(p, s) for p, r in zip(PROMPTS, results, strict=True) for s in r.samples if s.finished]
+    assert {s.stop_token for _, s in stopped} == {5, 3}  # both ends occur
+    for prompt, s in stopped:
+        expected = s.logprob - reference_logprob(reference, prompt, [*s.token_ids, s.stop_token])
+        assert s.score == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_layers_end_keeps_the_best_growing_rows_and_lets_finished_ones_leave():
+    tree = Tree(TreeShape(n=6, branch=2, layer_tokens=4, max_new_tokens=16, segment=16), prompt_slots=16)
+    scores = [0.1, 0.9, 0.5, 0.7, 0.3, 0.8]
+    finished = [False, True, False, False, False, False]
+    samples = [
+        jaxsr.Sample([1] * 4, "", score, done, -1.0, index)
+        for index, (score, done) in enumerate(zip(scores, finished, strict=True))
+    ]
+    decision = tree.decide(samples, 4)
+    # rows 5 (0.8), 3 (0.7), 2 (0.5) are the best growing ones; row 1 (0.9) finished and left
+    assert decision.keep == [5, 5, 3, 3, 2, 2]
+    assert decision.sample_ids == [5, 6, 3, 7, 2, 8]  # the first child keeps its parent's stream
+    assert decision.batch.rows == 6 and [s.index for s in tree.done] == [1]
+    assert tree.final(samples[2:3])[0].index == 1  # candidates that left, then the last layer's rows

@@ -272,6 +272,7 @@ def samples_of(model: Model, host: DecodeState) -> list[Sample]:
             finished=bool(host.finished[r]),
             logprob=float(host.logprob_sum[r]),
             index=int(host.sample_id[r]),
+            stop_token=int(host.tokens[r, host.num_generated[r] - 1]) if host.finished[r] else None,
         )
         for r, (ids, t) in enumerate(zip(responses, texts, strict=True))
     ]

@@ -76,6 +76,12 @@ TOP_K_BLOCK = 64
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` over the last axis of row-led `x`, each `data` shard's rows on their own
+    (`sharding.per_row_shard`: XLA GPU's top-k cannot split by rows and would gather them all)."""
+    return per_row_shard(partial(_blocked_top_k, k=k), x)
+
+
+def _blocked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k` over the last axis (values descending, ties to the lower index), searching only
     the k blocks with the largest maxima: every top-k element lies in one of them, since a block that
     holds one has a maximum at least that large. Over a 49152-token vocabulary that is a top-k over
@@ -89,7 +95,7 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     tiled = jnp.concatenate([x, fill], axis=-1).reshape(*lead, blocks, TOP_K_BLOCK)
     best = jnp.sort(jax.lax.top_k(tiled.max(-1), k)[1], axis=-1)  # index order keeps lax's tie rule
     candidates = jnp.take_along_axis(tiled, best[..., None], axis=-2).reshape(*lead, k * TOP_K_BLOCK)
-    values, where = per_row_shard(partial(jax.lax.top_k, k=k), candidates)
+    values, where = jax.lax.top_k(candidates, k)
     first = jnp.take_along_axis(best, where // TOP_K_BLOCK, axis=-1) * TOP_K_BLOCK
     return values, (first + where % TOP_K_BLOCK).astype(jnp.int32)
 

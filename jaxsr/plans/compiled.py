@@ -20,7 +20,7 @@ from jaxsr.decoding import loop
 from jaxsr.decoding.driver import Layout, Prefill, Sampler, as_sampler
 from jaxsr.decoding.inputs import Request
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.decoding.state import DecodeState, compact
+from jaxsr.decoding.state import PER_ROW, DecodeState, compact
 from jaxsr.models.model import Model, RewardModel, _scores
 from jaxsr.plans import gpus, hlo
 from jaxsr.plans.abstract import bytes_per_device
@@ -193,15 +193,13 @@ def plan_batch(model: Model | Sampler, target: Target, batch: Batch) -> Plan:
 
 def one_prompt(state: DecodeState, rows: int) -> DecodeState:
     """An abstract decode state of one prompt's `rows` rows, cut from a batch's (the scheduler compacts
-    each prompt's rows on their own)."""
-    batch = state.tokens.shape[0]
+    each prompt's rows on their own): its per-row fields and row caches, whose leaves lead with rows."""
 
-    def cut(x: Any) -> Any:
-        if not hasattr(x, "shape") or not x.shape or x.shape[0] != batch:
-            return x
+    def cut(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=x.sharding)
 
-    return jax.tree.map(cut, state)
+    per_row = {name: cut(getattr(state, name)) for name in PER_ROW}
+    return state.replace(**per_row, rows=jax.tree.map(cut, state.rows))
 
 
 def _compaction(sampler: Sampler, batch: Batch, state: DecodeState) -> Any:

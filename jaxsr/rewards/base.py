@@ -28,6 +28,9 @@ class Candidates:
     messages: list[dict[str, str]] | None = None
     """The prompt as a conversation (system message, earlier turns, the user turn answered): what a
     reward model's chat template renders before the response. None: one user turn of `prompt_text`."""
+    stop_tokens: list[int | None] | None = None
+    """[n] the EOS or stop id that ended each response (None: it ran out of tokens); None when not
+    known (the responses were not sampled by jaxsr)."""
 
     def __post_init__(self) -> None:
         if self.messages is None:

@@ -4,8 +4,8 @@ response's tokens (`kind="mean"`); `kind="sum"` is DPO's own.
 
 The policy must be the generator: its log-probabilities are the ones the sampler accumulated while
 sampling (no forward pass); the reference runs one forward pass over prompt and response, reading the
-response positions only. A response that stopped is scored with the policy's first EOS id as its stop
-token (the generator's stop tokens are not passed to rewards)."""
+response positions only, the stop token a response ended on included (as the policy's sum counts it).
+The reference must read prompts and responses of the generator's lengths (its context is checked)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from typing import Literal
 
 import numpy as np
 
+from jaxsr.decoding.inputs import check_language_model
 from jaxsr.models.model import Model
 from jaxsr.rewards.base import Candidates, reward_batch
-from jaxsr.rewards.sequence import check_language_model, response_sums, stopped_responses
+from jaxsr.rewards.sequence import score_responses, split_by_batch
 
 Kind = Literal["mean", "sum"]
 
@@ -24,8 +25,8 @@ class ImplicitReward:
     """log π − log π_ref of each response (mean per token or sum), π the generator (`policy`)."""
 
     def __init__(self, policy: Model, reference: Model, kind: Kind = "mean", batch_size: int | None = None):
-        check_language_model("policy", policy)
-        check_language_model("reference", reference)
+        check_language_model(policy, "policy")
+        check_language_model(reference, "reference")
         if policy.config.vocab_size != reference.config.vocab_size:
             raise ValueError(
                 f"reference: its vocabulary ({reference.config.vocab_size} ids) is not the policy's "
@@ -43,11 +44,9 @@ class ImplicitReward:
 
     def score_many(self, batches: list[Candidates]) -> list[np.ndarray]:
         """Several prompts' responses, the reference's log-probabilities computed in shared batches."""
-        responses = [r for c in batches for r in stopped_responses(self.policy, c.token_ids, c.num_tokens)]
-        prompts = [c.prompt_ids for c in batches for _ in c.token_ids]
-        reference, forwards = response_sums(self.reference, prompts, responses, "logprob", self.batch_size)
+        reference, lengths, forwards = score_responses(self.reference, batches, "logprob", self.batch_size)
         self.token_forwards += forwards
         implicit = np.concatenate([c.logprob_sum for c in batches]) - reference
         if self.kind == "mean":
-            implicit = implicit / np.maximum([len(r) for r in responses], 1)
-        return np.split(implicit, np.cumsum([len(c) for c in batches])[:-1])
+            implicit = implicit / np.maximum(lengths, 1)
+        return split_by_batch(implicit, batches)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxsr.ladder import bucket, fine_bucket, length_sorted_chunks
 from jaxsr.models.model import Model
+from jaxsr.rewards.base import Candidates
 from jaxsr.sharding import padded_rows, place_rows
 from jaxsr.text import left_pad
 
@@ -49,9 +50,16 @@ def response_sums(
     model: Model, prompts: list[list[int]], responses: list[list[int]], statistic: Statistic, batch_size: int
 ) -> tuple[np.ndarray, int]:
     """The statistic summed over each response after its prompt, shortest sequences first in batches
-    of `batch_size`; and the token positions run through the model."""
+    of `batch_size`; and the token positions run through the model. A sequence longer than the
+    model's context is refused naming the model."""
     out, forwards = np.zeros(len(responses), np.float64), 0
     sequences = [p + r for p, r in zip(prompts, responses, strict=True)]
+    longest = max(map(len, sequences), default=0)
+    if longest > model.config.context:
+        raise ValueError(
+            f"{model.name or 'the model'}: a prompt and response of {longest} tokens exceed its context of "
+            f"{model.config.context}"
+        )
     for chunk in length_sorted_chunks([len(s) for s in sequences], batch_size):
         rows = padded_rows(fine_bucket(len(chunk)), model.mesh)  # splits over `data`
         length = min(fine_bucket(len(sequences[chunk[-1]]), 16), model.config.context)
@@ -67,14 +75,28 @@ def response_sums(
     return out, forwards
 
 
-def stopped_responses(model: Model, token_ids: list[list[int]], num_tokens: np.ndarray) -> list[list[int]]:
-    """Each response with its stop token where it stopped (`num_tokens` counts it): the model's first
-    EOS id (rewards are not told which stop token ended a response)."""
-    stop = list(model.eos_token_ids[:1])
-    return [list(ids) + stop * int(n > len(ids)) for ids, n in zip(token_ids, num_tokens, strict=True)]
+def stopped_responses(model: Model, candidates: Candidates) -> list[list[int]]:
+    """Each response with the stop token that ended it (`logprob_sum` counts it): as sampled, or where
+    the candidates do not say, the model's first EOS id."""
+    token_ids, stops = candidates.token_ids, candidates.stop_tokens
+    if stops is None:  # not sampled by jaxsr: a response that stopped ended on the first EOS id
+        eos = model.eos_token_ids[0] if model.eos_token_ids else None
+        counts = candidates.num_tokens
+        stops = [eos if n > len(ids) else None for ids, n in zip(token_ids, counts, strict=True)]
+    return [list(ids) + ([] if stop is None else [stop]) for ids, stop in zip(token_ids, stops, strict=True)]
 
 
-def check_language_model(name: str, model: object) -> None:
-    """A TypeError naming `name` unless `model` is a jaxsr language model (not a reward model)."""
-    if not isinstance(model, Model) or model.config.is_reward_model:
-        raise TypeError(f"{name}: expected a jaxsr.Model (language model), got {type(model).__name__}")
+def score_responses(
+    model: Model, batches: list[Candidates], statistic: Statistic, batch_size: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Every batch's responses (with their stop tokens) after their prompts, one after another: the
+    statistic's sums, the responses' lengths, and the token positions run through the model."""
+    responses = [r for c in batches for r in stopped_responses(model, c)]
+    prompts = [c.prompt_ids for c in batches for _ in c.token_ids]
+    sums, forwards = response_sums(model, prompts, responses, statistic, batch_size)
+    return sums, np.array([len(r) for r in responses], np.int64), forwards
+
+
+def split_by_batch(values: np.ndarray, batches: list[Candidates]) -> list[np.ndarray]:
+    """`values` of every batch's responses, one after another, split back per batch."""
+    return np.split(values, np.cumsum([len(c) for c in batches])[:-1])

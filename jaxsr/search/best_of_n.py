@@ -25,7 +25,7 @@ from jaxsr.search.candidates import (
     score_samples,
     token_scorer,
 )
-from jaxsr.search.memory import best_of_n_rows, derived
+from jaxsr.search.memory import best_of_n_rows
 from jaxsr.timing import Stopwatch
 
 
@@ -59,8 +59,8 @@ def best_of_n(
     check_reward(reward, sampler.target, prompts, request.encoded)
     lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens
     check_responses_fit("n", len(encoded) * n, max_new_tokens)
-    if memory_budget is None and not derived(sampler, memory_budget):
-        max_rows = default_rows(sampler)  # CPU: no free memory to size by
+    if memory_budget is None:
+        max_rows = default_rows(sampler)
     else:
         max_rows = best_of_n_rows(sampler, memory_budget, encoded, n, max_new_tokens)
     t0 = time.perf_counter()

@@ -120,6 +120,7 @@ def score_prompts(model: Model, reward: Reward, items: list[Scored]) -> list[lis
             logprob_sum=np.array([s.logprob for s in samples], np.float64),
             num_tokens=np.array([len(s.token_ids) + s.finished for s in samples]),  # stop token included
             messages=prompt_messages(model, prompt),
+            stop_tokens=[s.stop_token for s in samples],
         )
         for prompt, prompt_ids, samples in items
     ]

@@ -164,13 +164,14 @@ class MemoryPlan:
         if room < per_row:
             raise ValueError(
                 f"memory_budget: {budget} KV slots cannot hold one row (prompt {prompt_slots} + "
-                f"first segment {min_segment} + look-ahead {headroom})"
+                f"first segment {min_segment} + {headroom} reserved: look-ahead, and working memory where "
+                "the budget is the device's)"
             )
         first = n if n is not None else room // per_row
         if first * per_row > room:
             raise ValueError(
                 f"memory_budget: {budget} KV slots cannot start n={first} rows "
-                f"({prompt_slots} prompt + {first}×{per_row} first-segment and look-ahead slots)"
+                f"({prompt_slots} prompt + {first}×{per_row} first-segment and reserved slots)"
             )
         self.ladder = batch_ladder(first, rate)
 
@@ -199,7 +200,7 @@ def best_of_n_rows(
     included: n samples of a prompt in chunks when a batch cannot hold them all, several prompts
     (each with its own prompt cache) when it holds more."""
     slots = budget_slots(memory_budget, sampler.slot_bytes, mesh=sampler.mesh)
-    per_row = bucket(max_new_tokens) + row_reserve(sampler, derived(sampler, memory_budget))
+    per_row = bucket(max_new_tokens) + sampler.headroom  # a budget given counts KV only
     return rows_within(slots, bucket(max(map(len, encoded))), per_row, n)
 
 

@@ -50,7 +50,7 @@ class TreeShape:
     @property
     def survivors(self) -> int:
         """Unfinished rows a layer's end keeps (each then branches)."""
-        return max(1, self.n // self.branch)
+        return self.n // self.branch
 
 
 class Tree:
@@ -124,16 +124,16 @@ def tree_best_of_n(
     on_result: Callable[[int, Result], None] | None = None,
 ) -> list[Result]:
     """TreeBoN per prompt (see the module docstring): `n` rows a layer, `layers` layers of
-    ⌈max_new_tokens / layers⌉ tokens, the best n // branch unfinished rows of a layer (by `reward` of
-    their partial responses) each branching into `branch` children. `model` is a language model or a
-    two-model sampler; `concurrent_prompts`, `min_prompt_bucket` and `on_result` as in
-    `speculative_rejection`. `Result.stats["layers"]` logs each layer's end: its token, the rows still
-    growing and the survivors kept."""
+    ⌈max_new_tokens / layers⌉ tokens, the best n / branch unfinished rows of a layer (by `reward` of
+    their partial responses; `branch` must divide `n`) each branching into `branch` children. `model`
+    is a language model or a two-model sampler; `concurrent_prompts`, `min_prompt_bucket` and
+    `on_result` as in `speculative_rejection`. `Result.stats["layers"]` logs each layer's end: its
+    token, the rows still growing and the survivors kept."""
     sampler = as_sampler(model, check_sampling(sampling))
     reward = as_reward(reward)
     n, branch = check_positive_int("n", n), check_positive_int("branch", branch)
-    if branch > n:
-        raise ValueError(f"branch: at most n={n} children per survivor, got {branch}")
+    if n % branch:  # n // branch survivors of branch children each: the tree stays n rows wide
+        raise ValueError(f"branch: expected a divisor of n={n} (a layer keeps n / branch rows), got {branch}")
     layers = check_positive_int("layers", layers)
     min_prompt_bucket = check_positive_int("min_prompt_bucket", min_prompt_bucket)
     concurrent_prompts = check_positive_int("concurrent_prompts", concurrent_prompts)

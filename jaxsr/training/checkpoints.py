@@ -61,6 +61,12 @@ class Checkpoints:
         items = ocp.args.Composite(state=ocp.args.StandardRestore(target))
         return self.manager.restore(step, args=items)["state"]
 
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Wait for the last save to be complete, then release the manager."""
         try:
@@ -80,7 +86,7 @@ class Checkpoints:
                 shutil.rmtree(partial, ignore_errors=True)
             raise ValueError(
                 f"checkpoints: cannot write a checkpoint in {self.directory} ({_reason(e)})"
-            ) from None
+            ) from e
 
 
 def _reason(error: Exception) -> str:
@@ -134,4 +140,5 @@ def _writer_reports_dropped() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(errors)
-        sys.unraisablehook = previous
+        if sys.unraisablehook is unraisable:  # another hook set since stays
+            sys.unraisablehook = previous

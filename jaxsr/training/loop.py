@@ -179,7 +179,13 @@ def train(run: Run) -> tuple[nnx.State, list[dict[str, Any]]]:
     optimizer = make_optimizer(config)
     train_step = make_train_step(model.graph, optimizer, config.param_dtype, run.loss)
     state = (model.params, jax.jit(optimizer.init)(model.params))
-    checkpoints = Checkpoints(run.checkpoints)
+    with Checkpoints(run.checkpoints) as checkpoints:  # closed (its last save awaited) however this ends
+        return _train_steps(run, train_step, state, checkpoints)
+
+
+def _train_steps(run: Run, train_step: Any, state: tuple, checkpoints: Checkpoints) -> tuple[Any, list]:
+    """`train`'s steps from the newest checkpoint on: (final parameters, history)."""
+    config, model = run.config, run.model
     step, history, tokens = checkpoints.latest() or 0, [], 0
     if step:
         record = checkpoints.progress(step)
@@ -219,7 +225,6 @@ def train(run: Run) -> tuple[nnx.State, list[dict[str, Any]]]:
                     checkpoints.save(step, state, _progress(config, record))
     finally:
         bar.close()
-        checkpoints.close()
     return state[0], history
 
 
