@@ -229,7 +229,8 @@ def test_a_derived_search_budget_is_shared_by_the_prompts_in_flight(lm, monkeypa
     sampler = as_sampler(shard_model(lm, make_mesh(data=4, model=2)), SAMPLING)
     monkeypatch.setattr(memory, "device_free_bytes", lambda devices: 10**6)
     one_device = int(10**6 * memory.DEVICE_HEADROOM) // sampler.slot_bytes
-    work = -(-6 * 4 * lm.config.vocab_size // sampler.slot_bytes)  # 6 float32 vocabulary rows, in slots
+    # 6 float32 rows of the device's half of the vocabulary (split over model=2), in slots
+    work = -(-6 * 4 * (lm.config.vocab_size // 2) // sampler.slot_bytes)
     assert memory.row_reserve(sampler, True) == work and memory.row_reserve(sampler, False) == 0
     row = 32 + work
     assert memory.prompt_budget(sampler, None, 16, 32, None, copies=1) == 16 + 4 * (one_device - 16 - row)

@@ -74,10 +74,14 @@ class Sampler:
 
     @property
     def row_work_bytes(self) -> int:
-        """Bytes a decode step holds per row beside its caches: vocabulary-sized float32 arrays
-        (logits, their softmax, sampling noise and masks), WORK_VOCAB_COPIES of them per position the
-        step scores (a speculative step scores its look-ahead's)."""
-        return WORK_VOCAB_COPIES * 4 * self.target.config.vocab_size * max(1, self.headroom)
+        """Bytes a decode step holds per row on a device beside its caches: vocabulary-sized float32
+        arrays (logits, their softmax, sampling noise and masks), WORK_VOCAB_COPIES of them per position
+        the step scores (a speculative step scores its look-ahead's); the device's share of the
+        vocabulary where the `model` axis splits it."""
+        vocab = self.target.config.vocab_size
+        split = 1 if self.mesh is None else self.mesh.shape.get("model", 1)
+        share = vocab // split if vocab % split == 0 else vocab
+        return WORK_VOCAB_COPIES * 4 * share * max(1, self.headroom)
 
     @property
     def mesh(self) -> Mesh | None:
