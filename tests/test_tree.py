@@ -3,11 +3,15 @@ parents' tokens, one decode program per search, the same result packed or alone,
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from hf_fixtures import build_llama_with_tokenizer, byte_tokenizer
 from tiny import tiny_model
 
 import jaxsr
+from jaxsr.cli import main
 from jaxsr.decoding import loop
 from jaxsr.rewards import ImplicitReward, SelfCertainty, SelfLikelihood
 from jaxsr.search.tree import Tree, TreeShape
@@ -193,3 +197,44 @@ def test_a_layers_end_keeps_the_best_growing_rows_and_lets_finished_ones_leave()
     assert decision.sample_ids == [5, 6, 3, 7, 2, 8]  # the first child keeps its parent's stream
     assert decision.batch.rows == 6 and [s.index for s in tree.done] == [1]
     assert tree.final(samples[2:3])[0].index == 1  # candidates that left, then the last layer's rows
+
+
+JOB_PROMPTS = ["Name a color.", "Say hi.", "Count to three."]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A tiny random Llama (safetensors) with a byte tokenizer and a chat template: a job's `model`."""
+    directory = tmp_path_factory.mktemp("tree-llama")
+    return str(build_llama_with_tokenizer("LlamaForCausalLM", byte_tokenizer(), directory, 21))
+
+
+@pytest.mark.parametrize("reward", ["self_likelihood", "self_certainty"])
+def test_a_tree_job_writes_the_searches_the_api_returns(checkpoint, tmp_path, reward):
+    data, output = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in JOB_PROMPTS))
+    keys = dict(n=4, branch=2, layers=2, max_new_tokens=8, seed=3, concurrent_prompts=2)
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        f"method: tree_best_of_n\nmodel: {checkpoint}\nreward: {reward}\ndata: {data}\noutput: {output}\n"
+        + "".join(f"{k}: {v}\n" for k, v in keys.items())
+    )
+    assert main(["run", str(config), "--no-progress"]) == 0
+    records = sorted((json.loads(line) for line in output.read_text().splitlines()), key=lambda r: r["index"])
+    lm = jaxsr.load_model(checkpoint)
+    scorer = SelfCertainty(lm) if reward == "self_certainty" else SelfLikelihood()
+    api = jaxsr.tree_best_of_n(lm, scorer, JOB_PROMPTS, sampling=jaxsr.SamplingConfig(), **keys)
+    assert [r["index"] for r in records] == [0, 1, 2]  # each written as its search ended
+    for record, result in zip(records, api, strict=True):
+        assert [s["token_ids"] for s in record["samples"]] == [s.token_ids for s in result.samples]
+        assert record["best"]["index"] == result.best.index
+        assert record["stats"]["layers"] == result.stats["layers"]
+
+
+def test_a_tree_job_refuses_the_keys_it_does_not_read(checkpoint, tmp_path, capsys):
+    config = tmp_path / "job.yaml"
+    config.write_text(f"method: tree_best_of_n\nmodel: {checkpoint}\nreward: self_likelihood\nn: 4\n")
+    assert main(["run", str(config), "memory_budget=4096", "--no-progress"]) == 2
+    assert "memory_budget: method=tree_best_of_n does not use it" in capsys.readouterr().err
+    assert main(["run", str(config), "n=null", "--no-progress"]) == 2
+    assert "n: tree_best_of_n needs n" in capsys.readouterr().err

@@ -20,6 +20,7 @@ METHODS = (
     "speculative_decode",
     "contrastive_decode",
     "speculative_contrastive_decode",
+    "tree_best_of_n",
 )
 
 # the options of each two-model decoding: a pair method, or the `decoder` a search method runs over
@@ -31,7 +32,7 @@ DECODER_OPTIONS: dict[str, tuple[str, ...]] = {
 DECODERS = tuple(DECODER_OPTIONS)
 PAIR_METHODS = {f"{kind}_decode": kind for kind in DECODERS}
 """Two-model decoding methods → their decoding kind."""
-SEARCH_METHODS = ("best_of_n", "speculative_rejection")
+SEARCH_METHODS = ("best_of_n", "speculative_rejection", "tree_best_of_n")
 SHARED_KEYS = frozenset(
     [
         "method",
@@ -71,6 +72,8 @@ LATER_KEYS = (
     "keep_samples",
     "keep_rejected",
     "kv_dtype",
+    "branch",
+    "layers",
 )
 """Keys added after job files existed: at their defaults they leave a job's fingerprint as it was, so
 the output of a job started before them still resumes."""
@@ -90,7 +93,8 @@ class JobConfig:
     model: str = "smollm2"
     """A checkpoint directory, a .gguf file, a hub id, or `smollm2` (the embedded default)."""
     reward: str | None = None
-    """Reward for best_of_n / speculative_rejection: `self_likelihood`, `minilm`, or a reward-model path."""
+    """Reward for the searches: `self_likelihood`, `self_certainty` (the generator's confidence, no reward
+    model), `minilm`, or a reward-model path."""
     data: str = "alpaca_farm_100"
     """A JSON list, JSONL or Parquet file of records holding a prompt (a string or a conversation), or a
     set's name (`jaxsr.data`)."""
@@ -137,6 +141,10 @@ class JobConfig:
     """speculative_rejection: the fewest responses a decision keeps (0: the reference's count)."""
     keep_rejected: bool = False
     """speculative_rejection: store the partial responses each decision stopped (`rejected`)."""
+    branch: int = 4
+    """tree_best_of_n: children of each row a layer's end keeps (n / branch rows are kept)."""
+    layers: int = 4
+    """tree_best_of_n: layers the response is grown in (max_new_tokens / layers tokens each)."""
     keep_token_ids: bool = True
     """Store each sample's token ids (False: text only, a smaller output)."""
     keep_samples: bool = True
@@ -170,6 +178,8 @@ class JobConfig:
             "min_first_segment",
             "decision_interval",
             "max_rows",
+            "branch",
+            "layers",
         ):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
@@ -199,8 +209,8 @@ class JobConfig:
             raise ValueError(f"draft: {needs} needs a second model (the draft or amateur)")
         if self.method in SEARCH_METHODS and self.reward is None:
             raise ValueError(f"reward: {self.method} needs a reward (self_likelihood, minilm, or a path)")
-        if self.method == "best_of_n" and self.n is None:
-            raise ValueError("n: best_of_n needs n (the samples per prompt)")
+        if self.method in ("best_of_n", "tree_best_of_n") and self.n is None:
+            raise ValueError(f"n: {self.method} needs n (the samples per prompt)")
 
     def used_keys(self) -> frozenset[str]:
         """The keys this job's method reads (a key it ignores must keep its default)."""
@@ -213,9 +223,13 @@ class JobConfig:
                 "draft",
                 *DECODER_OPTIONS[PAIR_METHODS[self.method]],
             }
-        keys = SHARED_KEYS | {"reward", "n", "memory_budget", "decoder"}
+        keys = SHARED_KEYS | {"reward", "n", "decoder"}
         if self.method == "speculative_rejection":
-            keys |= {"rejection_rate", "concurrent_prompts", *SR_OPTIONS}
+            keys |= {"memory_budget", "rejection_rate", "concurrent_prompts", *SR_OPTIONS}
+        elif self.method == "tree_best_of_n":
+            keys |= {"branch", "layers", "concurrent_prompts"}
+        else:
+            keys |= {"memory_budget"}
         if self.decoder is not None:
             keys |= {"draft", *DECODER_OPTIONS[self.decoder]}
         return keys

@@ -25,10 +25,11 @@ from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.loading.resolve import mesh_from_keys, resolve_model, resolve_reward
 from jaxsr.models.model import Model
 from jaxsr.results import Result
-from jaxsr.rewards import Reward
+from jaxsr.rewards import Reward, SelfCertainty
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.candidates import check_reward
 from jaxsr.search.speculative_rejection import speculative_rejection
+from jaxsr.search.tree import tree_best_of_n
 
 Write = Callable[[int, dict[str, Any]], None]
 """Takes a prompt's record as soon as the prompt is done: (its index in the job, the record)."""
@@ -96,32 +97,13 @@ def build_solver(config: JobConfig) -> Solver:
             model, second, prompts, num_samples=config.num_samples, max_rows=config.max_rows, **extra, **kw
         )
     else:
-        reward = resolve_reward(config.reward, config.dtype, mesh)
+        reward = job_reward(config, model, mesh)
         if config.decoder is not None:
             extra = {name: getattr(config, name) for name in DECODER_OPTIONS[config.decoder]}
             model = DECODER_BUILDERS[config.decoder](model, load_decoder(config, "draft", mesh), **extra)
             models = model.models
         sampler = as_sampler(model, sampling)
-        if config.method == "best_of_n":
-            run = lambda prompts, **kw: best_of_n(
-                model, reward, prompts, n=config.n, memory_budget=config.memory_budget, **kw
-            )
-        else:
-            run = lambda prompts, **kw: speculative_rejection(
-                model,
-                reward,
-                prompts,
-                n=config.n,
-                rejection_rate=config.rejection_rate,
-                memory_budget=config.memory_budget,
-                concurrent_prompts=config.concurrent_prompts,
-                min_first_segment=config.min_first_segment,
-                decision_interval=config.decision_interval,
-                rule=config.rule,
-                min_keep=config.min_keep,
-                keep_rejected=config.keep_rejected,
-                **kw,
-            )
+        run = search_call(config, model, reward)
 
     def solve(prompts: list[Any], indices: list[int], write: Write) -> None:
         def ended(i: int, result: Result) -> None:
@@ -147,10 +129,45 @@ def build_solver(config: JobConfig) -> Solver:
     return Solver(solve, prompts_per_call(config, sampler), check)
 
 
+def job_reward(config: JobConfig, model: Model, mesh: Mesh | None) -> Reward:
+    """The search's reward: `self_certainty` reads the generator `model`, the others load their own."""
+    if config.reward == "self_certainty":
+        return SelfCertainty(model)
+    return resolve_reward(config.reward, config.dtype, mesh)
+
+
+def search_call(config: JobConfig, model: Any, reward: Reward) -> Callable[..., list]:
+    """The search method's call over `model` (a language model or a two-model decoder)."""
+    if config.method == "best_of_n":
+        return lambda prompts, **kw: best_of_n(
+            model, reward, prompts, n=config.n, memory_budget=config.memory_budget, **kw
+        )
+    if config.method == "tree_best_of_n":
+        return lambda prompts, **kw: tree_best_of_n(
+            model, reward, prompts, n=config.n, branch=config.branch, layers=config.layers,
+            concurrent_prompts=config.concurrent_prompts, **kw,
+        )  # fmt: skip
+    return lambda prompts, **kw: speculative_rejection(
+        model,
+        reward,
+        prompts,
+        n=config.n,
+        rejection_rate=config.rejection_rate,
+        memory_budget=config.memory_budget,
+        concurrent_prompts=config.concurrent_prompts,
+        min_first_segment=config.min_first_segment,
+        decision_interval=config.decision_interval,
+        rule=config.rule,
+        min_keep=config.min_keep,
+        keep_rejected=config.keep_rejected,
+        **kw,
+    )
+
+
 def prompts_per_call(config: JobConfig, sampler: Sampler) -> int:
-    """Speculative Rejection: `SEARCH_CALL_ROUNDS` prompts per prompt in flight. Else as many prompts
-    as one batch of rows holds: `max_rows`, or 64 a `data` shard."""
-    if config.method == "speculative_rejection":  # a call keeps `concurrent_prompts` searches in flight
+    """Speculative Rejection and TreeBoN: `SEARCH_CALL_ROUNDS` prompts per prompt in flight. Else as
+    many prompts as one batch of rows holds: `max_rows`, or 64 a `data` shard."""
+    if config.method in ("speculative_rejection", "tree_best_of_n"):  # `concurrent_prompts` in flight
         return SEARCH_CALL_ROUNDS * config.concurrent_prompts
     key = "n" if config.method == "best_of_n" else "num_samples"
     rows = config.max_rows if config.max_rows is not None else default_rows(sampler)
