@@ -53,6 +53,16 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("mlp", "down"): ("mlp", "embed"),
     ("mlp", "gate_bias"): ("mlp"),
     ("mlp", "up_bias"): ("mlp"),
+    # int8 weights' scales (`DecoderConfig.weights_dtype`): split like their matrix's output axes
+    ("embed_scale",): ("vocab",),
+    ("lm_head_scale",): ("vocab",),
+    ("attn", "q_scale"): ("heads", "head_dim"),
+    ("attn", "k_scale"): ("kv_heads", "head_dim"),
+    ("attn", "v_scale"): ("kv_heads", "head_dim"),
+    ("attn", "o_scale"): ("embed",),
+    ("mlp", "gate_scale"): ("mlp",),
+    ("mlp", "up_scale"): ("mlp",),
+    ("mlp", "down_scale"): ("embed",),
 }
 
 

@@ -25,7 +25,7 @@ from jaxsr.loading.hf_config import decoder_config_from_hf, hf_config_from_decod
 from jaxsr.loading.params import place_params
 from jaxsr.loading.safetensors import SafetensorsCheckpoint, write_safetensors
 from jaxsr.loading.weights import convert_hf_tensors, export_hf_tensors
-from jaxsr.models.config import DecoderConfig, check_kv_dtype
+from jaxsr.models.config import DecoderConfig, check_kv_dtype, check_weights_dtype
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import Model, RewardModel
 from jaxsr.sharding import check_mesh
@@ -132,16 +132,17 @@ def model_class(config: DecoderConfig) -> type[Model]:
 
 
 def _restore_cached(
-    path: Path, is_gguf: bool, dtype: str, mesh: Mesh | None
+    path: Path, is_gguf: bool, dtype: str, weights_dtype: str | None, mesh: Mesh | None
 ) -> tuple[dict[str, Any], DecoderConfig, nnx.GraphDef, nnx.State, Any] | None:
-    """(HF config, its DecoderConfig, graph, params, tokenizer) from the parameter cache, or None on a
-    miss. A stored config that is not a valid decoder's is the cache's fault: the entry is rebuilt."""
-    entry = param_cache.lookup(path)
+    """(HF config, its DecoderConfig, graph, params, tokenizer) from the parameter cache entry of
+    `weights_dtype`, or None on a miss. A stored config that is not a valid decoder's is the cache's
+    fault: the entry is rebuilt."""
+    entry = param_cache.lookup(path, weights_dtype)
     if entry is None:
         return None
     try:
         try:
-            config = decoder_config_from_hf(entry.hf_config)
+            config = dataclasses.replace(decoder_config_from_hf(entry.hf_config), weights_dtype=weights_dtype)
             _config_eos(entry.hf_config, entry.path / "meta.json", config.vocab_size)
         except ValueError as e:
             entry.discard()
@@ -154,21 +155,30 @@ def _restore_cached(
     return entry.hf_config, config, graph, params, tokenizer
 
 
-def _load(source: str | Path, dtype: str, mesh: Mesh | None, revision: str | None, cache: bool) -> Model:
+def _load(
+    source: str | Path,
+    dtype: str,
+    weights_dtype: str | None,
+    mesh: Mesh | None,
+    revision: str | None,
+    cache: bool,
+) -> Model:
     dtype, cache = check_dtype(dtype), check_bool("cache", cache)
+    check_weights_dtype(weights_dtype)
     check_mesh(mesh)
     path = resolve_source(source, revision)
     is_gguf = path.is_file() and path.suffix == ".gguf"
     if not is_gguf and not path.is_dir():
         raise ValueError(f"source: {source} is neither a checkpoint directory nor a .gguf file")
-    cached = _restore_cached(path, is_gguf, dtype, mesh) if cache else None
+    cached = _restore_cached(path, is_gguf, dtype, weights_dtype, mesh) if cache else None
     if cached is not None:
         hf_config, config, graph, params, tokenizer = cached
     else:
         hf_config, config, tensors, tokenizer = _read_checkpoint(path, is_gguf)
+        config = dataclasses.replace(config, weights_dtype=weights_dtype)
         arrays = with_file(path, convert_hf_tensors, config, tensors)
         if cache:
-            param_cache.store(path, hf_config, arrays, tokenizer if is_gguf else None)
+            param_cache.store(path, hf_config, arrays, tokenizer if is_gguf else None, weights_dtype)
         graph, params = place_params(decoder_factory(config, dtype), arrays, dtype, mesh)
     return model_class(config)(
         config=config,
@@ -186,6 +196,7 @@ def load_model(
     *,
     dtype: str = "float32",
     kv_dtype: str | None = None,
+    weights_dtype: str | None = None,
     mesh: Mesh | None = None,
     revision: str | None = None,
     cache: bool = True,
@@ -196,11 +207,17 @@ def load_model(
     float32 scale per token and KV head (`DecoderConfig.kv_dtype`), so a memory budget holds about 2×
     the rows of bfloat16 (4× float32). A reward model keeps a float cache.
 
+    `weights_dtype`: None keeps every weight in `dtype`; `int8` quantizes the attention and MLP
+    projections, the token embedding and the output layer to int8 with a scale per output channel
+    (`DecoderConfig.weights_dtype`) as they are read, about half the parameter bytes of bfloat16
+    (a quarter of float32). GGUF weights are dequantized and quantized again per channel.
+
     `cache`: reuse (and write) converted parameters under `$JAXSR_CACHE_DIR` for GGUF files and large
-    checkpoints (see `jaxsr.loading.param_cache`); False bypasses the cache entirely.
+    checkpoints (see `jaxsr.loading.param_cache`; int8 weights have entries of their own); False
+    bypasses the cache entirely.
     """
-    check_kv_dtype(kv_dtype)  # before anything is read
-    return _load(source, dtype, mesh, revision, cache).with_kv_dtype(kv_dtype)
+    check_kv_dtype(kv_dtype)  # before anything is read (as `_load` checks the others)
+    return _load(source, dtype, weights_dtype, mesh, revision, cache).with_kv_dtype(kv_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,12 +246,14 @@ def load_reward_model(
     source: str | Path,
     *,
     dtype: str = "float32",
+    weights_dtype: str | None = None,
     mesh: Mesh | None = None,
     revision: str | None = None,
     cache: bool = True,
 ) -> RewardModel:
-    """Load a *ForSequenceClassification checkpoint as a reward model (`cache` as in `load_model`)."""
-    model = _load(source, dtype, mesh, revision, cache)
+    """Load a *ForSequenceClassification checkpoint as a reward model (`weights_dtype` and `cache` as in
+    `load_model`; its score head stays in `dtype`)."""
+    model = _load(source, dtype, weights_dtype, mesh, revision, cache)
     if not isinstance(model, RewardModel):
         raise ValueError(
             f"source: {source} is a {model.config.model_type} language model, not a "
@@ -313,12 +332,21 @@ def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None 
     config.json's `jaxsr_head_token_ids` and a [K, hidden] lm_head.weight: `load_model` reads it back,
     transformers cannot load it.
 
+    A model with int8 weights (`weights_dtype`) is refused: save the float model it was quantized from,
+    or `model.with_weights_dtype(None)`.
+
     The files are written into a temporary sibling directory first and then moved into place, so a
     failure leaves `directory` as it was. Other files already in `directory` are kept; files of an
     earlier checkpoint that this one would not replace (shards, an index, a tokenizer) are refused.
     """
     if not isinstance(model, Model):
         raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
+    if model.config.quantized_weights:
+        raise ValueError(
+            "model: its weights are int8 (weights_dtype='int8') and save_model writes float checkpoints; "
+            "save the float model it was quantized from, or model.with_weights_dtype(None) (the float "
+            "values of its int8 weights)"
+        )
     if not isinstance(directory, str | os.PathLike):
         raise TypeError(f"directory: expected a path, got {type(directory).__name__}")
     if pad_token_id is not None:

@@ -2,11 +2,15 @@
 
 An entry holds the arrays `convert_hf_tensors` returned (in their own dtype, before the cast to the load
 dtype, so one entry serves every dtype), the Hugging Face config, and for GGUF sources the tokenizer
-(building it from a GGUF takes seconds). Entries are keyed on the source files' absolute paths, sizes and
-mtimes, the contents of its JSON files (a config edited within the same second and size, or copied
-with its mtime, still misses) plus `FORMAT_VERSION`, so a changed source misses its old entry (which
-is then replaced). An entry's meta.json carries a digest of the config and layout it stores: an edited
-one is damaged, never served.
+(building it from a GGUF takes seconds). Int8 weights (`load_model(..., weights_dtype="int8")`) are stored
+quantized, in an entry of their own beside the float one (its name's digest covers the weights dtype,
+its meta.json names it): each restores straight onto the devices in its own layout, and a float entry is
+never served for int8 weights nor an int8 one for float weights.
+
+Entries are keyed on the source files' absolute paths, sizes and mtimes, the contents of its JSON files
+(a config edited within the same second and size, or copied with its mtime, still misses) plus
+`FORMAT_VERSION`, so a changed source misses its old entry (which is then replaced). An entry's meta.json
+carries a digest of the config and layout it stores: an edited one is damaged, never served.
 
 An entry is written into a temporary directory and renamed into place, so a killed process never leaves
 a half-written entry under a real name; an entry that cannot be read is deleted and rebuilt. Restoring
@@ -83,30 +87,33 @@ def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _meta_digest(hf_config: Any, arrays: Any) -> str:
-    """What a meta.json's `digest` field must be for the config and array layout it holds."""
-    return _digest([hf_config, arrays], 64)
+def _meta_digest(hf_config: Any, arrays: Any, weights_dtype: str | None) -> str:
+    """What a meta.json's `digest` field must be for the config, array layout and weights dtype it holds
+    (float entries' digests as they were before int8 weights)."""
+    return _digest([hf_config, arrays] + ([] if weights_dtype is None else [weights_dtype]), 64)
 
 
 def _digest(value: Any, n: int) -> str:
     return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:n]
 
 
-def _entry_prefix(source: Path) -> str:
-    """Name shared by every entry of one source path (all but the newest are stale)."""
+def _entry_prefix(source: Path, weights_dtype: str | None) -> str:
+    """Name shared by every entry of one source path and weights dtype (all but the newest are stale)."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", source.name)[:80]
-    return f"{name}-{_digest(str(source.resolve()), 8)}-"
+    key = str(source.resolve()) if weights_dtype is None else [str(source.resolve()), weights_dtype]
+    return f"{name}-{_digest(key, 8)}-"
 
 
-def entry_path(source: Path) -> Path | None:
-    """Where the entry for `source` lives, or None when caching is off or `source` is not worth it."""
+def entry_path(source: Path, weights_dtype: str | None = None) -> Path | None:
+    """Where the entry for `source` with `weights_dtype` weights lives, or None when caching is off or
+    `source` is not worth it."""
     root = cache_root()
     if root is None:
         return None
     fingerprint = _fingerprint(source)
     if source.is_dir() and sum(size for _, size, *_ in fingerprint) < MIN_DIRECTORY_BYTES:
         return None
-    return root / (_entry_prefix(source) + _digest([FORMAT_VERSION, fingerprint], 16))
+    return root / (_entry_prefix(source, weights_dtype) + _digest([FORMAT_VERSION, fingerprint], 16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +147,8 @@ class CacheEntry:
         """The module's parameter state, each array read straight onto its target device(s) and dtype."""
         graph, abstract = nnx.split(nnx.eval_shape(make_module))
         flat = nnx.to_flat_state(abstract)
-        expected = {path_name(path): list(variable.shape) for path, variable in flat}
-        stored = {name: shape for name, (shape, _) in self.arrays.items()}
+        expected = {path_name(path): (list(v.shape), _is_float(v.dtype)) for path, v in flat}
+        stored = {name: (shape, _is_float(dtype)) for name, (shape, dtype) in self.arrays.items()}
         if stored != expected:
             self.discard()
             raise CacheError(f"{self.path}: stored parameters do not match the module")
@@ -152,7 +159,7 @@ class CacheEntry:
                 if mesh is not None
                 else SingleDeviceSharding(jax.devices()[0])
             )
-            floating = jnp.issubdtype(jnp.dtype(self.arrays[path_name(path)][1]), jnp.floating)
+            floating = _is_float(self.arrays[path_name(path)][1])
             arg = ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype if floating else None)
             _nest(args, path, arg)
         try:
@@ -164,6 +171,11 @@ class CacheEntry:
                 f"{self.path}: unreadable parameters ({type(e).__name__}: {str(e)[:200]})"
             ) from e
         return graph, nnx.from_flat_state(leaves)
+
+
+def _is_float(dtype: Any) -> bool:
+    """Whether arrays of `dtype` are floats (cast to the load dtype) rather than int8 weights."""
+    return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
 
 
 def _nest(tree: dict[str, Any], path: ParamPath, value: Any) -> None:
@@ -179,17 +191,20 @@ def _get(tree: Mapping[str, Any], path: ParamPath) -> Any:
     return tree
 
 
-def lookup(source: Path) -> CacheEntry | None:
-    """The complete, current entry for `source`, or None (a damaged entry is deleted)."""
-    path = entry_path(source)
+def lookup(source: Path, weights_dtype: str | None = None) -> CacheEntry | None:
+    """The complete, current entry for `source` with `weights_dtype` weights, or None (a damaged entry is
+    deleted)."""
+    path = entry_path(source, weights_dtype)
     if path is None or not path.is_dir():
         return None
     try:
         meta = json.loads((path / "meta.json").read_text())
         if meta["format"] != FORMAT_VERSION or meta["fingerprint"] != _fingerprint(source):
             raise ValueError("stale entry")
-        if meta["digest"] != _meta_digest(meta["hf_config"], meta["arrays"]):
+        if meta["digest"] != _meta_digest(meta["hf_config"], meta["arrays"], meta.get("weights_dtype")):
             raise ValueError("its config or layout was edited")
+        if meta.get("weights_dtype") != weights_dtype:
+            raise ValueError(f"it holds {meta.get('weights_dtype') or 'float'} weights")
         arrays = {name: ([int(n) for n in a["shape"]], str(a["dtype"])) for name, a in meta["arrays"].items()}
         return CacheEntry(path, dict(meta["hf_config"]), arrays)
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
@@ -238,14 +253,20 @@ def _alive(pid: int) -> bool:
 
 
 def store(
-    source: Path, hf_config: dict[str, Any], arrays: Mapping[ParamPath, np.ndarray], tokenizer: Any = None
+    source: Path,
+    hf_config: dict[str, Any],
+    arrays: Mapping[ParamPath, np.ndarray],
+    tokenizer: Any = None,
+    weights_dtype: str | None = None,
 ) -> Path | None:
-    """Save converted `arrays` (+ config, + tokenizer) as the entry for `source`; returns its path.
+    """Save converted `arrays` (+ config, + tokenizer) as the entry for `source` with `weights_dtype`
+    weights (the arrays' own layout: int8 matrices and their scales); returns its path.
 
     Writes into a temporary directory and renames it into place; replaces stale entries of the same
-    source. Returns None when caching is off for `source` or the write failed (with a warning).
+    source and weights dtype. Returns None when caching is off for `source` or the write failed (with a
+    warning).
     """
-    final = entry_path(source)
+    final = entry_path(source, weights_dtype)
     if final is None:
         return None
     root = final.parent
@@ -276,10 +297,12 @@ def store(
             "hf_config": hf_config,
             "arrays": layout,
         }
+        if weights_dtype is not None:
+            meta["weights_dtype"] = weights_dtype
         meta = json.loads(json.dumps(meta))  # the digest is of what lookup will read back
-        meta["digest"] = _meta_digest(meta["hf_config"], meta["arrays"])
+        meta["digest"] = _meta_digest(meta["hf_config"], meta["arrays"], weights_dtype)
         (tmp / "meta.json").write_text(json.dumps(meta))
-        for stale in root.glob(_entry_prefix(source) + "*"):
+        for stale in root.glob(_entry_prefix(source, weights_dtype) + "*"):
             if stale != final:
                 shutil.rmtree(stale, ignore_errors=True)
         tmp.rename(final)

@@ -24,8 +24,10 @@ def place_params(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Fill the (abstract, never initialised) state of `make_module()` from `arrays`.
 
-    Floating arrays are cast to `dtype` on the host; with a mesh each array goes straight to its
-    shards (`device_put` with a `NamedSharding`), so no device ever holds a full replica first.
+    Floating arrays of floating parameters are cast to `dtype` on the host; any other parameter (an int8
+    weight) takes only an array of its own dtype, so quantized and float weights are never mistaken for
+    each other. With a mesh each array goes straight to its shards (`device_put` with a
+    `NamedSharding`), so no device ever holds a full replica first.
     """
     graph, abstract = nnx.split(nnx.eval_shape(make_module))
     flat = nnx.to_flat_state(abstract)
@@ -42,8 +44,13 @@ def place_params(
             raise CheckpointError(
                 f"parameter {path_name(path)}: checkpoint shape {value.shape} != expected {variable.shape}"
             )
-        if value.dtype.kind == "f" or value.dtype == jnp.bfloat16:
+        floating = value.dtype.kind == "f" or value.dtype == jnp.bfloat16
+        if floating and jnp.issubdtype(variable.dtype, jnp.floating):
             value = value.astype(jnp.dtype(dtype))
+        elif value.dtype != variable.dtype:
+            raise CheckpointError(
+                f"parameter {path_name(path)}: a {value.dtype} array for a {variable.dtype} parameter"
+            )
         if mesh is None:
             array = jax.device_put(value)
         else:

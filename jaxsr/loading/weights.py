@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxsr.loading.files import CheckpointError
 from jaxsr.models.config import DecoderConfig
+from jaxsr.models.decoder import quantize_arrays
 
 Transform = Callable[[np.ndarray], np.ndarray]
 Path = tuple[str | int, ...]
@@ -186,7 +187,9 @@ def check_weight(name: str, tensor: np.ndarray) -> np.ndarray:
 
 
 def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) -> dict[Path, np.ndarray]:
-    """HF-named tensors → {parameter path: array}, checking that every name is accounted for."""
+    """HF-named tensors → {parameter path: array}, checking that every name is accounted for. With int8
+    weights (`cfg.weights_dtype`) each matrix is quantized as it is converted (`quantize_arrays`), so the
+    host never holds more than one of them in float."""
     rules = model_rules(cfg)
     anchor = rules[0].hf_name
     prefixes = ("model.", "transformer.", *MULTIMODAL_PREFIXES, "")
@@ -211,12 +214,16 @@ def convert_hf_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray]) ->
         return rule.transform(tensor)
 
     params: dict[Path, np.ndarray] = {}
+
+    def put(path: Path, value: np.ndarray) -> None:
+        params.update(quantize_arrays({path: value}) if cfg.quantized_weights else {path: value})
+
     for rule in rules:
         if rule.per_layer:
             for i in range(cfg.num_layers):
-                params[("blocks", i, *rule.path)] = fetch(rule.hf_name.format(i=i), rule)
+                put(("blocks", i, *rule.path), fetch(rule.hf_name.format(i=i), rule))
         else:
-            params[rule.path] = fetch(rule.hf_name, rule)
+            put(rule.path, fetch(rule.hf_name, rule))
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unexpected = [
         n

@@ -12,6 +12,8 @@ KV_DTYPES = ("int8",)
 """Cache dtypes other than the parameters' (`DecoderConfig.kv_dtype`)."""
 KV_SCALE_BYTES = 4
 """An int8 cache's float32 scale of one token's key (or value) in one KV head."""
+WEIGHTS_DTYPES = ("int8",)
+"""Weight storage other than the parameters' dtype (`DecoderConfig.weights_dtype`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,12 @@ class DecoderConfig:
     float32 scale per token and KV head (symmetric absmax), about half the bytes of bfloat16 and a
     quarter of float32. Prefill and decoding attend to the stored (quantized) keys and values, so
     logits do not depend on how a sequence is split between them. Not part of the checkpoint."""
+    weights_dtype: Literal["int8"] | None = None
+    """How the matrices of the attention and MLP projections, the token embedding and the output layer
+    are stored: None in the parameters' dtype; `int8` as int8 with a scale per output channel (symmetric
+    absmax; in the parameters' dtype) applied to each product's result (`jaxsr.models.layers.contract`),
+    about half the bytes of bfloat16. Norms, biases, learned positions and a reward head stay in the
+    parameters' dtype. Not part of the checkpoint: quantized when the model loads."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -113,6 +121,7 @@ class DecoderConfig:
         check_kv_dtype(self.kv_dtype)
         if self.kv_dtype is not None and self.num_labels:
             raise ValueError("kv_dtype: a reward model keeps no cache between calls; leave it None")
+        check_weights_dtype(self.weights_dtype)
         if self.head_token_ids is not None:
             object.__setattr__(self, "head_token_ids", self._checked_head_ids())
 
@@ -163,6 +172,11 @@ class DecoderConfig:
         """Whether the KV cache holds int8 keys and values with their scales."""
         return self.kv_dtype == "int8"
 
+    @property
+    def quantized_weights(self) -> bool:
+        """Whether the projection, embedding and output matrices are int8 with per-channel scales."""
+        return self.weights_dtype == "int8"
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V one token position occupies across all layers: `dtype_bytes` an element
         (the parameters' dtype), or in an int8 cache one byte an element and a float32 scale a KV head."""
@@ -179,6 +193,19 @@ def check_kv_dtype(kv_dtype: object) -> str | None:
             f"kv_dtype: expected None (the model's dtype) or one of {KV_DTYPES}, got {kv_dtype!r}"
         )
     return kv_dtype
+
+
+def check_weights_dtype(weights_dtype: object) -> str | None:
+    """`weights_dtype` when it is one jaxsr stores weights as (None: the parameters' dtype), else a
+    ValueError naming it."""
+    if weights_dtype is not None and (
+        not isinstance(weights_dtype, str) or weights_dtype not in WEIGHTS_DTYPES
+    ):
+        raise ValueError(
+            f"weights_dtype: expected None (the model's dtype) or one of {WEIGHTS_DTYPES}, got "
+            f"{weights_dtype!r}"
+        )
+    return weights_dtype
 
 
 def _abbreviated(ids: tuple[int, ...]) -> str:

@@ -18,6 +18,10 @@ shared by every windowed layer; other layers, and models without a window, use t
 With `DecoderConfig.kv_dtype="int8"` both caches hold int8 keys and values with float32 scales
 (`jaxsr.models.cache`), and prefill attends to its keys/values as stored, as decoding does.
 
+With `DecoderConfig.weights_dtype="int8"` the matrices `QUANTIZED` names are int8 parameters, each with
+a `<name>_scale` parameter over its output channels beside it (`attn/q` and `attn/q_scale`); every product
+with them is `jaxsr.models.layers.contract`'s.
+
 A reduced output layer (`DecoderConfig.head_token_ids`) scores only its K ids: `head_logits` gives
 those K columns, `logits` scatters them into the vocabulary with -inf elsewhere.
 """
@@ -25,6 +29,8 @@ those K columns, `logits` scatters them into the vocabulary with -inf elsewhere.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,16 +40,91 @@ from flax import nnx
 from jaxsr.models.attention import Segment, attend
 from jaxsr.models.cache import PromptCache, RowCache, cache_layout
 from jaxsr.models.config import DecoderConfig
-from jaxsr.models.layers import ACTIVATIONS, Norm, apply_rope, param, rope_inverse_frequencies, soft_cap
+from jaxsr.models.layers import (
+    ACTIVATIONS,
+    Norm,
+    apply_rope,
+    contract,
+    dequantize_weight,
+    param,
+    quantize_weight,
+    rope_inverse_frequencies,
+    soft_cap,
+)
+
+QUANTIZED: dict[tuple[str, ...], tuple[int, ...]] = {
+    ("attn", "q"): (0,),
+    ("attn", "k"): (0,),
+    ("attn", "v"): (0,),
+    ("attn", "o"): (0, 1),
+    ("mlp", "gate"): (0,),
+    ("mlp", "up"): (0,),
+    ("mlp", "down"): (0,),
+    ("embed",): (1,),
+    ("lm_head",): (0,),
+}
+"""The matrices int8 weights (`DecoderConfig.weights_dtype`) store as int8, by the last names of their
+path, with the axes their products contract; the scale beside each spans the others (its output
+channels). The token embedding's scale is per token: a row of the table, a column of the tied head."""
+ParamPath = tuple[str | int, ...]
+
+
+def quantized_axes(path: ParamPath) -> tuple[int, ...] | None:
+    """The contracted axes of the matrix at `path` when int8 weights store it as int8, else None."""
+    names = tuple(map(str, path))
+    return QUANTIZED.get(names[-2:], QUANTIZED.get(names[-1:]))
+
+
+def scale_path(path: ParamPath) -> ParamPath:
+    """Where the scale of the int8 matrix at `path` lives: `attn/q` → `attn/q_scale`."""
+    return (*path[:-1], f"{path[-1]}_scale")
+
+
+def quantize_arrays(arrays: Mapping[ParamPath, Any]) -> dict[ParamPath, Any]:
+    """A decoder's parameters by path with each matrix `QUANTIZED` names as int8 and its float32 scale
+    beside it (numpy arrays stay on the host)."""
+    out = {}
+    for path, w in arrays.items():
+        contracted = quantized_axes(path)
+        if contracted is None:
+            out[path] = w
+        else:
+            out[path], out[scale_path(path)] = quantize_weight(w, contracted)
+    return out
+
+
+def dequantize_arrays(arrays: Mapping[ParamPath, Any], dtype) -> dict[ParamPath, Any]:
+    """`quantize_arrays`' inverse up to rounding: each int8 matrix as the `dtype` weight it stands for."""
+    scales = {scale_path(path) for path in arrays if quantized_axes(path) is not None}
+    out = {}
+    for path, w in arrays.items():
+        contracted = quantized_axes(path)
+        if contracted is not None:
+            out[path] = dequantize_weight(w, arrays[scale_path(path)], contracted, dtype)
+        elif path not in scales:
+            out[path] = w
+    return out
+
+
+def _matrix(
+    rngs: nnx.Rngs, cfg: DecoderConfig, name: tuple[str, ...], shape: tuple[int, ...], dtype
+) -> tuple[nnx.Param, nnx.Param | None]:
+    """A random matrix `name` of `shape` and its scale: int8 and a scale in `dtype` when the config
+    quantizes weights, else the float matrix and None."""
+    w = param(rngs, shape, dtype)
+    if not cfg.quantized_weights:
+        return w, None
+    q, scale = quantize_weight(w[...], QUANTIZED[name])
+    return nnx.Param(q), nnx.Param(scale.astype(dtype))
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, dtype, rngs: nnx.Rngs):
         d, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q = param(rngs, (d, H, D), dtype)
-        self.k = param(rngs, (d, K, D), dtype)
-        self.v = param(rngs, (d, K, D), dtype)
-        self.o = param(rngs, (H, D, d), dtype)
+        self.q, self.q_scale = _matrix(rngs, cfg, ("attn", "q"), (d, H, D), dtype)
+        self.k, self.k_scale = _matrix(rngs, cfg, ("attn", "k"), (d, K, D), dtype)
+        self.v, self.v_scale = _matrix(rngs, cfg, ("attn", "v"), (d, K, D), dtype)
+        self.o, self.o_scale = _matrix(rngs, cfg, ("attn", "o"), (H, D, d), dtype)
         bias = cfg.qkv_bias
         self.q_bias = param(rngs, (H, D), dtype) if bias else None
         self.k_bias = param(rngs, (K, D), dtype) if bias else None
@@ -54,9 +135,9 @@ class Attention(nnx.Module):
         self.k_norm = Norm((D), **norm) if cfg.qk_norm else None
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
-        k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
-        v = jnp.einsum("btd,dhk->bthk", x, self.v[...])
+        q = contract("btd,dhk->bthk", x, self.q, self.q_scale)
+        k = contract("btd,dhk->bthk", x, self.k, self.k_scale)
+        v = contract("btd,dhk->bthk", x, self.v, self.v_scale)
         if self.q_bias is not None:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.q_norm is not None:
@@ -64,7 +145,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def output(self, attn: jax.Array) -> jax.Array:
-        out = jnp.einsum("bthk,hkd->btd", attn, self.o[...])
+        out = contract("bthk,hkd->btd", attn, self.o, self.o_scale)
         return out + self.o_bias[...] if self.o_bias is not None else out
 
 
@@ -72,26 +153,29 @@ class MLP(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, dtype, rngs: nnx.Rngs):
         d, F = cfg.hidden_size, cfg.intermediate_size
         self.activation = cfg.activation
-        self.gate = param(rngs, (d, F), dtype) if cfg.mlp == "gated" else None
-        self.up = param(rngs, (d, F), dtype)
-        self.down = param(rngs, (F, d), dtype)
+        gated = cfg.mlp == "gated"
+        self.gate, self.gate_scale = (
+            _matrix(rngs, cfg, ("mlp", "gate"), (d, F), dtype) if gated else (None, None)
+        )
+        self.up, self.up_scale = _matrix(rngs, cfg, ("mlp", "up"), (d, F), dtype)
+        self.down, self.down_scale = _matrix(rngs, cfg, ("mlp", "down"), (F, d), dtype)
         self.up_bias = param(rngs, (F), dtype) if cfg.mlp_bias else None
         self.gate_bias = param(rngs, (F), dtype) if cfg.mlp_bias and self.gate else None
         self.down_bias = param(rngs, (d), dtype) if cfg.mlp_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         act = ACTIVATIONS[self.activation]
-        up = x @ self.up[...]
+        up = contract("...d,df->...f", x, self.up, self.up_scale)
         if self.up_bias is not None:
             up = up + self.up_bias[...]
         if self.gate is not None:
-            gate = x @ self.gate[...]
+            gate = contract("...d,df->...f", x, self.gate, self.gate_scale)
             if self.gate_bias is not None:
                 gate = gate + self.gate_bias[...]
             h = act(gate) * up
         else:
             h = act(up)
-        out = h @ self.down[...]
+        out = contract("...f,fd->...d", h, self.down, self.down_scale)
         return out + self.down_bias[...] if self.down_bias is not None else out
 
 
@@ -118,7 +202,9 @@ class Decoder(nnx.Module):
     def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         cfg = self.config = config
         self.dtype = jnp.dtype(dtype)
-        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.embed, self.embed_scale = _matrix(
+            rngs, cfg, ("embed",), (cfg.vocab_size, cfg.hidden_size), dtype
+        )
         learned = cfg.position == "learned"
         self.pos_embed = (
             param(rngs, (cfg.max_position_embeddings, cfg.hidden_size), dtype) if learned else None
@@ -126,7 +212,10 @@ class Decoder(nnx.Module):
         self.blocks = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.final_norm = _norm(cfg, dtype)
         has_head = not cfg.tie_word_embeddings and not cfg.is_reward_model
-        self.lm_head = param(rngs, (cfg.hidden_size, cfg.head_size), dtype) if has_head else None
+        head = (cfg.hidden_size, cfg.head_size)
+        self.lm_head, self.lm_head_scale = (
+            _matrix(rngs, cfg, ("lm_head",), head, dtype) if has_head else (None, None)
+        )
         self.score = param(rngs, (cfg.hidden_size, cfg.num_labels), dtype) if cfg.num_labels else None
 
     def use_kv_dtype(self, kv_dtype: str | None) -> None:
@@ -136,6 +225,8 @@ class Decoder(nnx.Module):
     # -- pieces -------------------------------------------------------------------------------
     def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.embed_scale is not None:  # int8 rows times their tokens' scales
+            x = (x * jnp.take(self.embed_scale[...], tokens, axis=0)[..., None]).astype(self.dtype)
         if self.config.scale_embeddings:  # sqrt(d) rounded to the table's dtype, as transformers does
             x = x * jnp.asarray(np.float32(self.config.hidden_size**0.5)).astype(x.dtype)
         if self.pos_embed is not None:
@@ -238,11 +329,14 @@ class Decoder(nnx.Module):
     def head_logits(self, hidden: jax.Array) -> jax.Array:
         """The output layer's logits [..., head_size] in float32 (soft-capped where the config says
         so): column j scores `head_token_ids[j]`, or id j for a full head (then equal to `logits`)."""
-        f32 = jnp.float32
         if self.lm_head is None:  # tied: contract with the [V, D] table as stored, no transposed copy
-            logits = jnp.einsum("...d,vd->...v", hidden, self.embed[...], preferred_element_type=f32)
+            w, scale, spec = self.embed, self.embed_scale, "...d,vd->...v"
         else:
-            logits = jnp.einsum("...d,dv->...v", hidden, self.lm_head[...], preferred_element_type=f32)
+            w, scale, spec = self.lm_head, self.lm_head_scale, "...d,dv->...v"
+        f32 = jnp.float32
+        logits = jnp.einsum(spec, hidden, w[...].astype(hidden.dtype), preferred_element_type=f32)
+        if scale is not None:
+            logits = logits * scale[...].astype(f32)
         return soft_cap(logits, self.config.final_logit_softcapping)
 
     def logits(self, hidden: jax.Array) -> jax.Array:

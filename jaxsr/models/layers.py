@@ -1,9 +1,11 @@
-"""Building blocks shared by the decoder and the encoder: norms, activations, rotary embeddings."""
+"""Building blocks shared by the decoder and the encoder: norms, activations, rotary embeddings, and the
+int8 weights of `DecoderConfig.weights_dtype` (`quantize_weight`, `contract`)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +15,39 @@ from flax import nnx
 from jaxsr.models.config import LinearRopeScaling, RopeScaling
 
 MASKED = -1e30  # finite, so a query with no visible key gives uniform weights instead of NaN
+INT8_MAX = 127
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, std: float = 0.02) -> nnx.Param:
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
+
+
+def quantize_weight(w: Any, contracted: tuple[int, ...]) -> tuple[Any, Any]:
+    """w → (int8 q, float32 scale) with w ≈ q · scale: symmetric absmax over the `contracted` (input) axes,
+    so each output channel keeps its own range; the scale has w's shape without those axes. numpy in,
+    numpy out (a load quantizes on the host), else jax."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    w = w.astype(np.float32)
+    scale = xp.max(xp.abs(w), axis=contracted) / INT8_MAX
+    divisor = xp.expand_dims(xp.where(scale > 0, scale, 1.0), contracted)
+    q = xp.clip(xp.round(w / divisor), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q, scale.astype(np.float32)
+
+
+def dequantize_weight(q: jax.Array, scale: jax.Array, contracted: tuple[int, ...], dtype) -> jax.Array:
+    """The float weight in `dtype` that int8 `q` with its per-channel `scale` stands for."""
+    return (q.astype(jnp.float32) * jnp.expand_dims(scale.astype(jnp.float32), contracted)).astype(dtype)
+
+
+def contract(spec: str, x: jax.Array, w: nnx.Param, scale: nnx.Param | None) -> jax.Array:
+    """`einsum(spec, x, w)` in x's dtype. An int8 `w` enters the product as int8 converted to x's dtype and
+    its per-output-channel `scale` multiplies the float32 result, rounded once to x's dtype: the weight is
+    never dequantized. On a TPU the product takes the int8 operand itself (one fusion with the scaling);
+    XLA:CPU writes a float copy of one matrix at a time before its product."""
+    if scale is None:
+        return jnp.einsum(spec, x, w[...])
+    y = jnp.einsum(spec, x, w[...].astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 class Norm(nnx.Module):

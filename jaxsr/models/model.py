@@ -17,9 +17,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxsr.checks import is_int
-from jaxsr.models.config import DecoderConfig
-from jaxsr.models.decoder import Decoder
-from jaxsr.sharding import place_rows
+from jaxsr.models.config import DecoderConfig, check_weights_dtype
+from jaxsr.models.decoder import Decoder, dequantize_arrays, quantize_arrays
+from jaxsr.sharding import param_sharding, place_rows
 
 
 @partial(jax.jit, static_argnums=0)
@@ -136,7 +136,8 @@ class Model:
 
     @property
     def dtype(self) -> jnp.dtype:
-        return jax.tree.leaves(self.params)[0].dtype
+        """The parameters' dtype (the activations'; int8 weights keep their scales in it)."""
+        return self.params["final_norm"]["scale"].get_value().dtype
 
     @property
     def kv_slot_bytes(self) -> int:
@@ -153,6 +154,35 @@ class Model:
             return self
         graph, _ = nnx.split(module)
         return dataclasses.replace(self, config=module.config, graph=graph)
+
+    def with_weights_dtype(self, weights_dtype: str | None) -> Model:
+        """This model with its matrices stored as `weights_dtype` (`DecoderConfig.weights_dtype`): `int8`
+        quantizes them on the host, as `load_model` does, and places them as it does; None gives back
+        float matrices of the values the int8 ones stand for."""
+        config = dataclasses.replace(self.config, weights_dtype=check_weights_dtype(weights_dtype))
+        if config == self.config:
+            return self
+        flat = nnx.to_flat_state(self.params)
+        if config.quantized_weights:
+            arrays = {}
+            for path, leaf in flat:  # one float matrix on the host at a time
+                arrays |= quantize_arrays({path: np.asarray(leaf.get_value())})
+        else:
+            arrays = dequantize_arrays({path: leaf.get_value() for path, leaf in flat}, self.dtype)
+        graph, abstract = nnx.split(
+            nnx.eval_shape(lambda: Decoder(config, dtype=self.dtype, rngs=nnx.Rngs(0)))
+        )
+        leaves = [
+            (path, variable.replace(self._placed(path, arrays[path].astype(variable.dtype))))
+            for path, variable in nnx.to_flat_state(abstract)
+        ]
+        return dataclasses.replace(self, config=config, graph=graph, params=nnx.from_flat_state(leaves))
+
+    def _placed(self, path: tuple[Any, ...], x: jax.Array) -> jax.Array:
+        """`x` on the device, placed on this model's mesh as the parameter at `path` is (when it has one)."""
+        if self.mesh is None:
+            return jax.device_put(x)
+        return jax.device_put(x, param_sharding([str(p) for p in path], x.shape, self.mesh))
 
     def token_batch(self, token_ids: Any, attention_mask: Any = None) -> tuple[jax.Array, jax.Array]:
         """`as_token_batch` with this model's vocabulary, and a length the context holds."""
