@@ -11,7 +11,7 @@ from typing import Any
 
 from jaxsr.checks import user_path
 from jaxsr.configs import check_field_types, check_mesh_keys, content_fingerprint, load_config
-from jaxsr.models.config import check_kv_dtype
+from jaxsr.models.config import check_kv_dtype, check_weights_dtype
 
 METHODS = (
     "generate",
@@ -47,6 +47,7 @@ SHARED_KEYS = frozenset(
         "seed",
         "dtype",
         "kv_dtype",
+        "weights_dtype",
         "chat",
         "mesh_data",
         "mesh_model",
@@ -74,6 +75,7 @@ LATER_KEYS = (
     "kv_dtype",
     "branch",
     "layers",
+    "weights_dtype",
 )
 """Keys added after job files existed: at their defaults they leave a job's fingerprint as it was, so
 the output of a job started before them still resumes."""
@@ -155,6 +157,10 @@ class JobConfig:
     """The KV cache of `model` and `draft`: None (in `dtype`) or `int8` (int8 keys and values with a
     float32 scale per token and KV head: a memory budget in bytes holds about 2× the rows of bfloat16,
     4× float32). Sampling is from the models with that cache; reward models keep theirs in `dtype`."""
+    weights_dtype: str | None = None
+    """The weights of `model` and `draft`: None (in `dtype`) or `int8` (their projection, embedding and
+    output matrices as int8 with a scale per output channel: about half the parameter bytes of bfloat16,
+    a quarter of float32). Sampling is from the quantized models; reward models keep `dtype`."""
     chat: bool | None = None
     mesh_data: int | None = None
     """Split each batch's rows over this many of the host's devices (-1: all left after `mesh_model`).
@@ -190,6 +196,7 @@ class JobConfig:
         if self.min_keep not in (0, 1):
             raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {self.min_keep}")
         check_kv_dtype(self.kv_dtype)
+        check_weights_dtype(self.weights_dtype)
         check_mesh_keys(self)
         self._check_needs()
         used = self.used_keys()

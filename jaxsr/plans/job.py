@@ -144,23 +144,30 @@ def cut(hf_config: dict[str, Any], layers: int | None) -> dict[str, Any]:
     return hf_config if layers is None else {**hf_config, "num_hidden_layers": layers}
 
 
-def abstract_from(source: str, config: JobConfig, mesh: Mesh, layers: int | None, key: str) -> Model:
-    """The abstract model `source` (a job's `key`) names; errors name the key."""
+def abstract_from(
+    source: str, config: JobConfig, mesh: Mesh, layers: int | None, key: str, weights_dtype: str | None = None
+) -> Model:
+    """The abstract model `source` (a job's `key`) names, its weights `weights_dtype`; errors name the
+    key."""
     try:
-        return abstract_model(cut(hf_config_of(source), layers), mesh, config.dtype)
+        return abstract_model(cut(hf_config_of(source), layers), mesh, config.dtype, weights_dtype)
     except (ValueError, TypeError, OSError) as e:
         raise ValueError(f"{key}: {e}") from e
 
 
 def job_sampler(config: JobConfig, mesh: Mesh, layers: int | None) -> Sampler:
     """The sampler the job decodes with (`build_solver`'s): plain sampling of `model`, or the pair
-    method / `decoder` over (`model`, `draft`), their caches stored as `kv_dtype`."""
-    model = abstract_from(config.model, config, mesh, layers, "model").with_kv_dtype(config.kv_dtype)
+    method / `decoder` over (`model`, `draft`), their weights stored as `weights_dtype` and their caches
+    as `kv_dtype`."""
+    decoder = lambda key: abstract_from(
+        getattr(config, key), config, mesh, layers, key, config.weights_dtype
+    ).with_kv_dtype(config.kv_dtype)
+    model = decoder("model")
     kind = PAIR_METHODS.get(config.method, config.decoder)
     sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
     if kind is None:
         return as_sampler(model, sampling)
-    draft = abstract_from(config.draft, config, mesh, layers, "draft").with_kv_dtype(config.kv_dtype)
+    draft = decoder("draft")
     options = {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
     return as_sampler(DECODER_BUILDERS[kind](model, draft, **options), sampling)
 
