@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -88,10 +89,18 @@ def plan(
     json_path: str | None,
 ) -> str:  # fmt: skip
     """A job's plan for a TPU slice or a GPU host as a table (and as JSON at `json_path`)."""
+    quiet_libtpu(target_name)
     job = plan_job(load_job_config(config_path, overrides), target(target_name), prompt_tokens, layers)
     if json_path is not None:
         Path(json_path).expanduser().write_text(json.dumps(plan_dict(job), indent=2) + "\n")
     return plan_table(job)
+
+
+def quiet_libtpu(target_name: str) -> None:
+    """Name a TPU host for libtpu before jax starts it (a plan on a machine without TPUs): else libtpu
+    looks for one and prints a page of warnings (`plans.targets` does the same where it starts it)."""
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", str(target_name))
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 def main(argv: list[str] | None = None) -> int:

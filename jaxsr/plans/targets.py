@@ -149,6 +149,10 @@ def target_devices(slice_: Target) -> tuple[jax.Device, ...]:
     # a plan compiles, never runs: several processes may describe slices at once (libtpu's lock file
     # otherwise refuses a second process)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # libtpu looks for the host's TPU at start-up and prints a page of warnings when there is none;
+    # any value here stops the search (a description needs no host)
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", slice_.name)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     config = {} if slice_.chip.chip_config is None else {"chip_config_name": slice_.chip.chip_config}
     topology = topologies.get_topology_desc(topology_name=slice_.topology, platform="tpu", **config)
     return tuple(topology.devices)
