@@ -51,8 +51,8 @@ PARAM_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("mlp", "gate"): ("embed", "mlp"),
     ("mlp", "up"): ("embed", "mlp"),
     ("mlp", "down"): ("mlp", "embed"),
-    ("mlp", "gate_bias"): ("mlp"),
-    ("mlp", "up_bias"): ("mlp"),
+    ("mlp", "gate_bias"): ("mlp",),
+    ("mlp", "up_bias"): ("mlp",),
     # int8 weights' scales (`DecoderConfig.weights_dtype`): split like their matrix's output axes
     ("embed_scale",): ("vocab",),
     ("lm_head_scale",): ("vocab",),

@@ -142,6 +142,16 @@ def test_every_matrix_is_int8_beside_a_scale_over_its_output_channels(dtype, tie
         assert x.dtype in (jnp.int8, dtype), path
 
 
+def test_every_rules_table_entry_names_one_axis_a_dimension():
+    """Each entry is a tuple of logical axes (the MLP biases' were strings, `("mlp")`, so the biases of
+    an mlp_bias model stayed replicated); the gate and up biases split over `model` with their columns."""
+    assert all(isinstance(axes, tuple) for axes in PARAM_AXES.values())
+    sharded = shard_model(tiny_model(mlp_bias=True), make_mesh(data=4, model=2))
+    mlp = flat(sharded)
+    for name in ("gate_bias", "up_bias"):
+        assert tuple(mlp[("blocks", 0, "mlp", name)].sharding.spec) == ("model",), name
+
+
 def _parameter_bytes(model: Model) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(model.params))
 
