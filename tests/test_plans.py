@@ -467,6 +467,8 @@ def test_a_jobs_plan_counts_its_reward_model_and_prints_and_writes_it(tmp_path, 
         "prompt_slots": 64,
         "max_new_tokens": 32,
         "segment": None,
+        "next_rows": None,
+        "next_segment": None,
     }
     names = [p["name"] for p in plan["programs"]]
     assert names == ["prefill", "start", "decode_loop", "reward_scores"]
