@@ -426,7 +426,7 @@ def test_the_job_key_sets_the_cache_of_the_model_and_the_draft(monkeypatch):
     )
     loaded = {}
     monkeypatch.setattr(
-        methods, "resolve_model", lambda name, dtype, mesh, key: loaded.setdefault(key, tiny_model())
+        methods, "resolve_model", lambda name, dtype, mesh, key, **kw: loaded.setdefault(key, tiny_model())
     )
     solver = methods.build_solver(config)
     assert solver.prompts_per_call >= 1

@@ -519,11 +519,13 @@ def test_the_job_key_quantizes_the_model_and_the_draft_and_is_a_later_key(monkey
     assert config.weights_dtype == "int8" and "weights_dtype" in LATER_KEYS
     assert config.fingerprint() != load_job_config(None, overrides).fingerprint()
     loaded = {}
-    monkeypatch.setattr(
-        methods, "resolve_model", lambda name, dtype, mesh, key: loaded.setdefault(key, tiny_model())
-    )
+
+    def resolve(name, dtype, mesh, key, weights_dtype=None):  # the loader quantizes as it reads
+        return loaded.setdefault((key, weights_dtype), tiny_model().with_weights_dtype(weights_dtype))
+
+    monkeypatch.setattr(methods, "resolve_model", resolve)
     methods.build_solver(config)
-    assert set(loaded) == {"model", "draft"}
+    assert set(loaded) == {("model", "int8"), ("draft", "int8")}
     for key in ("model", "draft"):
         decoder = methods.load_decoder(config, key, None)
         assert decoder.config.weights_dtype == "int8"

@@ -70,10 +70,12 @@ DECODER_BUILDERS: dict[str, Callable[..., Any]] = {
 
 
 def load_decoder(config: JobConfig, key: str, mesh: Mesh | None) -> Model:
-    """The job's `model` or `draft` (`key`), its weights stored as `weights_dtype` (quantized after the
-    float load, one matrix at a time: `Model.with_weights_dtype`) and its KV cache as `kv_dtype`."""
-    model = resolve_model(getattr(config, key), config.dtype, mesh, key=key)
-    return model.with_weights_dtype(config.weights_dtype).with_kv_dtype(config.kv_dtype)
+    """The job's `model` or `draft` (`key`), its weights stored as `weights_dtype` (quantized as they are
+    read) and its KV cache as `kv_dtype`."""
+    model = resolve_model(
+        getattr(config, key), config.dtype, mesh, key=key, weights_dtype=config.weights_dtype
+    )
+    return model.with_kv_dtype(config.kv_dtype)
 
 
 def build_solver(config: JobConfig) -> Solver:

@@ -53,10 +53,13 @@ def _source(name: str) -> str | Path:
     return name
 
 
-def resolve_model(name: str, dtype: str, mesh: Mesh | None = None, key: str = "model") -> Model:
-    """The model a config names (`_source`) loaded by `load_model`. Errors name the config `key`."""
+def resolve_model(
+    name: str, dtype: str, mesh: Mesh | None = None, key: str = "model", weights_dtype: str | None = None
+) -> Model:
+    """The model a config names (`_source`) loaded by `load_model` (its weights as `weights_dtype`,
+    quantized as they are read). Errors name the config `key`."""
     with _config_key(key):
-        return load_model(_source(name), dtype=dtype, mesh=mesh)
+        return load_model(_source(name), dtype=dtype, mesh=mesh, weights_dtype=weights_dtype)
 
 
 def resolve_header(name: str, key: str = "model") -> Header:
