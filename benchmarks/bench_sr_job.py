@@ -60,6 +60,28 @@ def check_same_answers(name: str, before: list[jaxsr.Result], after: list[jaxsr.
         raise RuntimeError(f"{name}: a repeated call chose other responses")
 
 
+def run_passes(
+    calls: dict[str, Callable[[], list[jaxsr.Result]]], repeats: int
+) -> tuple[dict[str, tuple[list[jaxsr.Result], float]], dict[str, list[float]]]:
+    """Every call once per pass, `repeats` passes (so drift of a shared machine hits them alike): each
+    call's results with its fastest pass, and every pass's seconds; a repeated call must choose the
+    same responses."""
+    runs: dict[str, tuple[list[jaxsr.Result], float]] = {}
+    walls: dict[str, list[float]] = {name: [] for name in calls}
+    for repeat in range(repeats):
+        for name, call in calls.items():
+            results, seconds = timed(call)
+            walls[name].append(seconds)
+            if name in runs:
+                check_same_answers(name, runs[name][0], results)
+            runs[name] = (results, min(walls[name]))
+            print(
+                f"pass {repeat + 1}, {name} (first batch {first_batch(results)}): {seconds:.1f} s",
+                flush=True,
+            )
+    return runs, walls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=24)
@@ -93,19 +115,7 @@ def main() -> None:
                     min_first_segment=m, **common,
                 )
             )  # fmt: skip
-    runs: dict[str, tuple[list[jaxsr.Result], float]] = {}
-    walls: dict[str, list[float]] = {name: [] for name in calls}
-    for repeat in range(args.repeats):  # every method once per pass: drift hits them alike
-        for name, call in calls.items():
-            results, seconds = timed(call)
-            walls[name].append(seconds)
-            if name in runs:
-                check_same_answers(name, runs[name][0], results)
-            runs[name] = (results, min(walls[name]))
-            print(
-                f"pass {repeat + 1}, {name} (first batch {first_batch(results)}): {seconds:.1f} s",
-                flush=True,
-            )
+    runs, walls = run_passes(calls, args.repeats)
 
     def best(results: list[jaxsr.Result]) -> np.ndarray:
         return np.array([r.best.score for r in results])

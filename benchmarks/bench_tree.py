@@ -28,7 +28,7 @@ import numpy as np
 
 import jaxsr
 from benchmarks.bench_speculative_rejection import paper_score
-from benchmarks.bench_sr_job import BUCKET, SAMPLING, check_same_answers, timed
+from benchmarks.bench_sr_job import BUCKET, SAMPLING, run_passes
 from benchmarks.common import RESULTS, table, write_result
 from jaxsr.data import read_prompts
 from jaxsr.decoding.inputs import encode_prompts
@@ -120,16 +120,7 @@ def main() -> None:
     )
     prompts = list(itertools.islice(in_bucket, args.skip_prompts, args.skip_prompts + args.prompts))
     calls = calls_of(args, lm, reward, prompts)
-    runs: dict[str, tuple[list[jaxsr.Result], float]] = {}
-    walls: dict[str, list[float]] = {name: [] for name in calls}
-    for repeat in range(args.repeats):  # every method once per pass: drift hits them alike
-        for name, call in calls.items():
-            results, seconds = timed(call)
-            walls[name].append(seconds)
-            if name in runs:
-                check_same_answers(name, runs[name][0], results)
-            runs[name] = (results, min(walls[name]))
-            print(f"pass {repeat + 1}, {name}: {seconds:.1f} s", flush=True)
+    runs, _ = run_passes(calls, args.repeats)
 
     bon = {name: r for name, (r, _) in runs.items() if name.startswith("Best-of")}
     positions = {name: generator_positions(r) for name, r in bon.items()}
