@@ -347,21 +347,25 @@ perplexity 8.806 → 8.851 (+0.5%). Over 16 of its responses to alpaca_farm_100 
 decoded one a call (3071 positions): max 2.13, mean 0.087, argmax 0.981, perplexity 6.703 → 6.707."""
 
 
+def heldout_batch(first: int = 16, decoded: int = 248) -> tuple[np.ndarray, ...]:
+    """SmolLM2's held-out chat sequences as (prefix [4, first], continuation [4, decoded], valid,
+    scored): the continuation's positions that hold tokens, and those of them in a response."""
+    rows = json.loads(HELDOUT.read_text())
+    tokens = np.zeros((len(rows), first + decoded), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r["tokens"])] = r["tokens"]
+    position = first + np.arange(decoded)[None, :]
+    valid = position < np.array([len(r["tokens"]) for r in rows])[:, None]
+    scored = valid & (position >= np.array([r["prompt_length"] for r in rows])[:, None])
+    return tokens[:, :first], tokens[:, first:], valid, scored
+
+
 @pytest.mark.slow
 def test_smollm2_int8_perplexity_on_heldout_responses_is_within_two_percent():
     from jaxsr.loading.gguf import smollm2_path
 
     lm = jaxsr.load_model(smollm2_path())
-    rows = json.loads(HELDOUT.read_text())
-    first, N = 16, 248
-    tokens = np.zeros((len(rows), first + N), np.int32)
-    length = np.array([len(r["tokens"]) for r in rows])
-    for i, r in enumerate(rows):
-        tokens[i, : len(r["tokens"])] = r["tokens"]
-    position = first + np.arange(N)[None, :]
-    valid = position < length[:, None]
-    scored = valid & (position >= np.array([r["prompt_length"] for r in rows])[:, None])
-    prefix, continuation = tokens[:, :first], tokens[:, first:]
+    prefix, continuation, valid, scored = heldout_batch()
     z = {
         kv: teacher_forced(lm.with_kv_dtype(kv), prefix, np.ones_like(prefix), continuation, 8)
         for kv in (None, "int8")

@@ -27,7 +27,7 @@ import test_int8_kv as int8_kv
 from flax import nnx
 from jax.sharding import PartitionSpec
 from test_gguf import write_gguf
-from test_int8_kv import HELDOUT, compare, teacher_forced
+from test_int8_kv import compare, heldout_batch, teacher_forced
 from test_plans import SIDE_LIBTPU, needs_libtpu
 from test_speculative import perturbed
 from tiny import tiny_config, tiny_model
@@ -246,19 +246,6 @@ argmax 0.954, +0.7%, for 210 MiB of parameters instead of 129 (float32: 513). Bo
 max 4.60, mean 0.261, argmax 0.933, 8.851 → 8.837. The shipped draft (bfloat16 safetensors, 84% of it
 the embedding) on the same positions: max 0.84, mean 0.064, argmax 0.981, perplexity −0.6%, 60 → 15 MiB
 (its embedding left in float32: mean 0.008, argmax 0.995, 51 MiB)."""
-
-
-def heldout_batch(first: int = 16, decoded: int = 248) -> tuple[np.ndarray, ...]:
-    """SmolLM2's held-out chat sequences as (prefix [4, first], continuation [4, decoded], valid,
-    scored): the continuation's positions that hold tokens, and those of them in a response."""
-    rows = json.loads(HELDOUT.read_text())
-    tokens = np.zeros((len(rows), first + decoded), np.int32)
-    for i, r in enumerate(rows):
-        tokens[i, : len(r["tokens"])] = r["tokens"]
-    position = first + np.arange(decoded)[None, :]
-    valid = position < np.array([len(r["tokens"]) for r in rows])[:, None]
-    scored = valid & (position >= np.array([r["prompt_length"] for r in rows])[:, None])
-    return tokens[:, :first], tokens[:, first:], valid, scored
 
 
 @pytest.mark.slow
