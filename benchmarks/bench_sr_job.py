@@ -13,8 +13,13 @@ its fastest pass counts, and a repeated call must choose the same responses.
 Speedup at equal score: Best-of-N's wall time interpolated (log-linear in wall time) at the method's
 score ÷ the method's wall time.
 
+`--kv-dtypes float32 int8` adds, per KV dtype, Best-of-8 and every SR setting (at the largest
+`--concurrent`) with the budget given in bytes: Best-of-8's float32 KV bytes per prompt, so an int8
+cache fits more rows in the same memory (issue 29's comparison).
+
     python -m benchmarks.bench_sr_job [--prompts 24] [--skip-prompts 0] [--max-new-tokens 64] [--ns 8 16 32]
         [--sr 0.5/16 0.5/8 0.7/8] [--concurrent 1 4 8] [--seed 0] [--repeats 2]
+        [--kv-dtypes float32 int8]
 """
 
 from __future__ import annotations
@@ -93,6 +98,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="passes over every method; the fastest counts")
     parser.add_argument("--name", default="sr_job")
+    parser.add_argument(
+        "--kv-dtypes", nargs="*", default=[], choices=["float32", "int8"],
+        help="also run Best-of-8 and SR with the KV cache in each, at a budget in bytes",
+    )  # fmt: skip
     args = parser.parse_args()
 
     lm = resolve_model("smollm2", "float32")
@@ -115,6 +124,7 @@ def main() -> None:
                     min_first_segment=m, **common,
                 )
             )  # fmt: skip
+    calls.update(kv_dtype_calls(lm, reward, prompts, budget, settings, args))
     runs, walls = run_passes(calls, args.repeats)
 
     def best(results: list[jaxsr.Result]) -> np.ndarray:
@@ -127,6 +137,7 @@ def main() -> None:
         rows.append(
             {
                 "method": name,
+                "first_batch": first_batch(results),
                 "wall_s_per_prompt": seconds / len(prompts),
                 "wall_s_per_prompt_each_pass": [w / len(prompts) for w in walls[name]],
                 "mean_best_reward": float(best(results).mean()),
@@ -142,6 +153,7 @@ def main() -> None:
         row["wall_vs_largest_bon"] = row["wall_s_per_prompt"] / largest["wall_s_per_prompt"]
     columns = [
         "method",
+        "first_batch",
         "wall_s_per_prompt",
         "mean_best_reward",
         "score",
@@ -155,6 +167,25 @@ def main() -> None:
         {"prompts": len(prompts), "memory_budget_slots": budget, "args": vars(args), "rows": rows},
     )
     print(f"wrote {path}")
+
+
+def kv_dtype_calls(lm, reward, prompts, budget_slots: int, settings, args) -> dict[str, Callable]:
+    """Best-of-8 and each SR setting per `--kv-dtypes` entry, at `budget_slots` float32 slots' bytes."""
+    budget = f"{budget_slots * lm.kv_slot_bytes}B"
+    common = dict(max_new_tokens=args.max_new_tokens, sampling=SAMPLING, seed=args.seed, memory_budget=budget)
+    calls: dict[str, Callable[[], list[jaxsr.Result]]] = {}
+    for kv_dtype in args.kv_dtypes:
+        model = lm.with_kv_dtype(None if kv_dtype == "float32" else kv_dtype)
+        suffix = f", {kv_dtype} KV in {budget}"
+        calls["Best-of-8" + suffix] = lambda m=model: jaxsr.best_of_n(m, reward, prompts, n=8, **common)
+        for rate, segment in settings:
+            calls[f"SR α={rate} from {segment} tokens{suffix}"] = (
+                lambda m=model, r=float(rate), s=int(segment): jaxsr.speculative_rejection(
+                    m, reward, prompts, rejection_rate=r, min_first_segment=s,
+                    concurrent_prompts=max(args.concurrent), **common,
+                )
+            )  # fmt: skip
+    return calls
 
 
 def plot(rows: list[dict[str, Any]], args) -> None:
