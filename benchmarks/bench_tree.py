@@ -79,7 +79,7 @@ def certainty_against_reward(lm, results: list[jaxsr.Result], prompts, reward_na
     encoded = encode_prompts(lm, prompts)
     rescored = score_prompts(
         lm,
-        SelfCertainty(lm),
+        SelfCertainty(),
         [(p, ids, r.samples) for p, ids, r in zip(prompts, encoded, results, strict=True)],
     )
     agree, picked, best, mean = [], [], [], []

@@ -21,6 +21,9 @@ class Sample:
     """Sample index within its prompt: with the seed and prompt index it fixes the random stream."""
     stop_token: int | None = None
     """The EOS or stop id that ended it (`logprob` counts it), None when it ran to `max_new_tokens`."""
+    certainty: float | None = None
+    """Sum over the positions `logprob` covers of the generator's self-certainty, KL(uniform ‖ p) of its
+    raw next-token distribution (`rewards.SelfCertainty` reads its mean)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

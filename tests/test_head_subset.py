@@ -20,7 +20,7 @@ from tiny import tiny_config
 
 import jaxsr
 from jaxsr.decoding.driver import Sampler
-from jaxsr.decoding.sampling import SamplingConfig, draw, probabilities, process_logits, token_logprob
+from jaxsr.decoding.sampling import SamplingConfig, draw, probabilities, process_logits, token_statistics
 from jaxsr.decoding.speculative import SpeculativeDecoding, next_distribution
 from jaxsr.loading import param_cache
 from jaxsr.models.decoder import Decoder
@@ -125,8 +125,15 @@ def test_sampling_is_nan_free_and_draws_only_scored_ids(sampling):
     np.testing.assert_allclose(p.sum(-1), 1.0, atol=1e-6)
     tokens = np.asarray(draw(keys, z, sampling))
     assert np.isin(tokens, IDS).all()
-    assert np.isfinite(np.asarray(token_logprob(z, jnp.asarray(tokens)))).all()
-    assert np.isneginf(np.asarray(token_logprob(z, jnp.ones(64, jnp.int32)))).all()  # 1 is not scored
+    logp, certainty = token_statistics(z, jnp.asarray(tokens))
+    assert np.isfinite(np.asarray(logp)).all()
+    assert np.isneginf(np.asarray(token_statistics(z, jnp.ones(64, jnp.int32))[0])).all()  # 1 is not scored
+    # self-certainty of the raw logits over the scored ids only: KL from the uniform distribution over IDS
+    raw = np.asarray(z, np.float64)[:, IDS]
+    raw_logp = raw - raw.max(-1, keepdims=True)
+    raw_logp -= np.log(np.exp(raw_logp).sum(-1, keepdims=True))
+    expected = -np.log(len(IDS)) - raw_logp.mean(-1)
+    np.testing.assert_allclose(np.asarray(certainty), expected, rtol=1e-4, atol=1e-5)
     # the speculative residual where the draft (here: these logits) covers only IDS and the target all
     q = jnp.asarray(p)[:, None]
     target = probabilities(jax.random.normal(jax.random.PRNGKey(2), (64, V)), sampling)

@@ -86,12 +86,14 @@ def without_stats(record: dict) -> dict:
 
 
 def assert_same_up_to_rounding(records: list[dict], expected: list[dict]) -> None:
-    """Same tokens, texts and flags; log-probabilities equal up to float32 summation order (a mesh
-    that splits the model sums its matmuls in another order)."""
+    """Same tokens, texts and flags; log-probabilities and certainties equal up to float32 summation
+    order (a mesh that splits the model sums its matmuls in another order)."""
+    sums = ("logprob", "certainty")
 
     def parts(record: dict) -> tuple[dict, list[float]]:
-        samples = [{k: v for k, v in s.items() if k != "logprob"} for s in record["samples"]]
-        return {**without_stats(record), "samples": samples}, [s["logprob"] for s in record["samples"]]
+        samples = [{k: v for k, v in s.items() if k not in sums} for s in record["samples"]]
+        floats = [s[k] for s in record["samples"] for k in sums]
+        return {**without_stats(record), "samples": samples}, floats
 
     for record, reference in zip(records, expected, strict=True):
         (exact, logprobs), (exact_ref, logprobs_ref) = parts(record), parts(reference)

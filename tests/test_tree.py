@@ -145,23 +145,46 @@ def test_an_implicit_reward_needs_two_language_models_of_one_vocabulary(lm):
         ImplicitReward(lm, lm, kind="max")
 
 
-def test_self_certainty_is_the_mean_kl_from_uniform_of_the_generators_distributions(lm):
-    certainty = SelfCertainty(lm)
-    results = jaxsr.best_of_n(lm, certainty, PROMPTS[:2], n=4, max_new_tokens=10, sampling=SAMPLING, seed=5)
+def certainty_of(lm, prompt: list[int], sample: jaxsr.Sample) -> float:
+    """Self-certainty of a sample from one forward pass of `lm` over prompt and response (float64)."""
+    response = sample.token_ids + [sample.stop_token] * sample.finished
+    logits = np.asarray(lm.logits([prompt + response]))[0].astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    positions = logp[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+    return float(np.mean(-np.log(logp.shape[-1]) - positions.mean(-1)))
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
+def test_self_certainty_is_the_mean_kl_from_uniform_of_the_generators_distributions(lm, speculative):
+    """Summed by the sampler as it samples (a speculative step sums the target's distributions at the
+    positions it commits), equal to one forward pass over the response; no forward pass of its own."""
+    certainty = SelfCertainty()
+    sampler = (
+        jaxsr.speculative_decoder(lm, tiny_model(seed=9, eos_token_ids=(3,)), gamma=3) if speculative else lm
+    )
+    results = jaxsr.best_of_n(
+        sampler, certainty, PROMPTS[:2], n=4, max_new_tokens=10, sampling=SAMPLING, seed=5
+    )
     for prompt, result in zip(PROMPTS[:2], results, strict=True):
         for s in result.samples:
-            response = s.token_ids + [s.stop_token] * s.finished
-            logits = np.asarray(lm.logits([prompt + response]))[0].astype(np.float64)
-            top = logits.max(-1, keepdims=True)
-            logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-            positions = logp[len(prompt) - 1 : len(prompt) - 1 + len(response)]
-            expected = np.mean(-np.log(logp.shape[-1]) - positions.mean(-1))
-            assert s.score == pytest.approx(expected, abs=1e-4)
+            assert s.score == pytest.approx(certainty_of(lm, prompt, s), abs=1e-4)
         assert result.best.score == max(s.score for s in result.samples)
+    assert certainty.token_forwards == 0
     tree = jaxsr.tree_best_of_n(
         lm, certainty, PROMPTS[:1], n=4, branch=2, max_new_tokens=8, sampling=SAMPLING
     )
     assert tree[0].best.score == max(s.score for s in tree[0].samples)
+    for s in tree[0].samples:  # children carry their parent's sum on
+        assert s.score == pytest.approx(certainty_of(lm, PROMPTS[0], s), abs=1e-4)
+
+
+def test_self_certainty_refuses_responses_it_did_not_see_sampled():
+    from jaxsr.rewards import Candidates
+
+    candidates = Candidates("hi", [1], [[2, 3]], ["ab"], np.zeros(1), np.array([2]))
+    with pytest.raises(ValueError, match="self_certainty: the candidates carry no certainty_sum"):
+        SelfCertainty().score(candidates)
 
 
 def test_the_implicit_reward_reads_the_stop_token_each_response_ended_on():
@@ -222,7 +245,7 @@ def test_a_tree_job_writes_the_searches_the_api_returns(checkpoint, tmp_path, re
     assert main(["run", str(config), "--no-progress"]) == 0
     records = sorted((json.loads(line) for line in output.read_text().splitlines()), key=lambda r: r["index"])
     lm = jaxsr.load_model(checkpoint)
-    scorer = SelfCertainty(lm) if reward == "self_certainty" else SelfLikelihood()
+    scorer = SelfCertainty() if reward == "self_certainty" else SelfLikelihood()
     api = jaxsr.tree_best_of_n(lm, scorer, JOB_PROMPTS, sampling=jaxsr.SamplingConfig(), **keys)
     assert [r["index"] for r in records] == [0, 1, 2]  # each written as its search ended
     for record, result in zip(records, api, strict=True):

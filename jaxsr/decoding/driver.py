@@ -277,6 +277,7 @@ def samples_of(model: Model, host: DecodeState) -> list[Sample]:
             logprob=float(host.logprob_sum[r]),
             index=int(host.sample_id[r]),
             stop_token=int(host.tokens[r, host.num_generated[r] - 1]) if host.finished[r] else None,
+            certainty=float(host.certainty_sum[r]),
         )
         for r, (ids, t) in enumerate(zip(responses, texts, strict=True))
     ]

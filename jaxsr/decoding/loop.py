@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxsr.decoding.contrast import Contrast
-from jaxsr.decoding.sampling import draw, token_logprob
+from jaxsr.decoding.sampling import draw, token_statistics
 from jaxsr.decoding.state import DecodeState, pin, record
 from jaxsr.decoding.steps import Graphs, Method, Params, PromptCaches, keys_of
 from jaxsr.models.cache import PromptCache, RowCache
@@ -85,6 +85,7 @@ def init_state(
         done=~new.alive,
         alive=new.alive,
         logprob_sum=jnp.zeros((B,), jnp.float32),
+        certainty_sum=jnp.zeros((B,), jnp.float32),
         prompt_id=jnp.repeat(new.prompt_ids, G),
         sample_id=new.sample_ids,
         max_new_tokens=new.max_new_tokens,
@@ -99,7 +100,7 @@ def init_state(
     )
     logits = tuple(jnp.repeat(z, G, axis=0) for z in last_logits)
     tokens = draw(keys_of(state), method.scores(logits, contrast), method.sampling)
-    return pin(record(state, tokens, token_logprob(logits[0], tokens), new.alive))
+    return pin(record(state, tokens, token_statistics(logits[0], tokens), new.alive))
 
 
 class Observer(Protocol):

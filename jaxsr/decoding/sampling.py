@@ -172,8 +172,14 @@ def row_keys(seed: jax.Array, prompt_id: jax.Array, sample_id: jax.Array, index:
     return jax.vmap(one)(prompt_id, sample_id, index)
 
 
-def token_logprob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Raw log-probability of `tokens` [...] under `logits` [..., V], in float32."""
+def token_statistics(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Raw log-probability of `tokens` [...] under `logits` [..., V], and the distribution's
+    self-certainty KL(U ‖ p) = −log V − mean_v log p_v (Kang et al. 2025), both float32; U is uniform
+    over the ids the head scores (a subset head leaves the others at −inf)."""
     logits = logits.astype(jnp.float32)
+    norm = jax.nn.logsumexp(logits, axis=-1)
     chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
-    return chosen - jax.nn.logsumexp(logits, axis=-1)
+    scored = logits > -jnp.inf
+    count = scored.sum(-1)
+    mean = jnp.where(scored, logits, 0.0).sum(-1) / count
+    return chosen - norm, norm - mean - jnp.log(count.astype(jnp.float32))

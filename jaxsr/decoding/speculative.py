@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsr.decoding.contrast import Contrast, contrastive_scores
-from jaxsr.decoding.sampling import draw_from, probabilities, token_logprob
+from jaxsr.decoding.sampling import draw_from, probabilities, token_statistics
 from jaxsr.decoding.state import record
 from jaxsr.decoding.steps import ContrastiveDecoding, Method, PlainSampling, forward, keys_of
 
@@ -136,10 +136,11 @@ class SpeculativeDecoding(Method):
 
         padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
         new = jnp.where(jnp.arange(g + 1)[None, :] == a[:, None], token[:, None], padded)
-        logp = token_logprob(z_e, new)
+        logp, certainty = token_statistics(z_e, new)
         committed = state
         for j in range(g + 1):
-            committed = record(committed, new[:, j], logp[:, j], active & (j <= a) & ~committed.done)
+            at = (logp[:, j], certainty[:, j])
+            committed = record(committed, new[:, j], at, active & (j <= a) & ~committed.done)
         committed = committed.with_rows((target_rows, draft_rows))
         return committed.replace(
             steps=committed.steps + 1,

@@ -38,6 +38,9 @@ class DecodeState:
     """[B] bool: a real candidate (False for bucket padding and rejected rows)."""
     logprob_sum: jax.Array
     """[B] float32 sum of the (target) model's raw log-probabilities of the generated tokens."""
+    certainty_sum: jax.Array
+    """[B] float32 sum over the same positions of the (target) model's raw next-token distribution's
+    self-certainty, KL(uniform ‖ p) (`sampling.token_statistics`)."""
     prompt_id: jax.Array
     """[B] int32 global prompt index (for the random stream)."""
     sample_id: jax.Array
@@ -83,8 +86,12 @@ SHARED = ("seed", "rows", "steps", "forwards", "observation")
 PER_ROW = tuple(f.name for f in dataclasses.fields(DecodeState) if f.name not in SHARED)
 
 
-def record(state: DecodeState, tokens: jax.Array, logp: jax.Array, active: jax.Array) -> DecodeState:
-    """Append `tokens` [B] to the active rows and update their finished/done flags."""
+def record(
+    state: DecodeState, tokens: jax.Array, statistics: tuple[jax.Array, jax.Array], active: jax.Array
+) -> DecodeState:
+    """Append `tokens` [B] to the active rows, add their (log-probability, certainty) `statistics`
+    ([B] each, `sampling.token_statistics`) and update their finished/done flags."""
+    logp, certainty = statistics
     B = tokens.shape[0]
     index = jnp.where(active, state.num_generated, state.tokens.shape[1])  # inactive: write dropped
     buffer = state.tokens.at[jnp.arange(B), index].set(tokens, mode="drop")
@@ -98,6 +105,7 @@ def record(state: DecodeState, tokens: jax.Array, logp: jax.Array, active: jax.A
         finished=finished,
         done=done,
         logprob_sum=state.logprob_sum + jnp.where(active, logp, 0.0),
+        certainty_sum=state.certainty_sum + jnp.where(active, certainty, 0.0),
     )
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsr.decoding.contrast import Contrast, contrastive_scores
-from jaxsr.decoding.sampling import SamplingConfig, draw, row_keys, token_logprob
+from jaxsr.decoding.sampling import SamplingConfig, draw, row_keys, token_statistics
 from jaxsr.decoding.state import DecodeState, record
 from jaxsr.models.cache import PromptCache, RowCache
 
@@ -117,7 +117,7 @@ class PlainSampling(Method):
         ]
         logits = tuple(z[:, 0] for z, _ in outputs)
         tokens = draw(keys_of(state), self.scores(logits, contrast), self.sampling)
-        state = record(state, tokens, token_logprob(logits[0], tokens), active)
+        state = record(state, tokens, token_statistics(logits[0], tokens), active)
         state = state.with_rows(tuple(rows for _, rows in outputs))
         state = state.replace(
             steps=state.steps + 1, forwards=state.forwards + 1, target_calls=state.target_calls + active

@@ -25,7 +25,7 @@ from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.loading.resolve import mesh_from_keys, resolve_model, resolve_reward
 from jaxsr.models.model import Model
 from jaxsr.results import Result
-from jaxsr.rewards import Reward, SelfCertainty
+from jaxsr.rewards import Reward
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.candidates import check_reward
 from jaxsr.search.speculative_rejection import speculative_rejection
@@ -101,7 +101,7 @@ def build_solver(config: JobConfig) -> Solver:
             model, second, prompts, num_samples=config.num_samples, max_rows=config.max_rows, **extra, **kw
         )
     else:
-        reward = job_reward(config, model, mesh)
+        reward = resolve_reward(config.reward, config.dtype, mesh)
         if config.decoder is not None:
             extra = {name: getattr(config, name) for name in DECODER_OPTIONS[config.decoder]}
             model = DECODER_BUILDERS[config.decoder](model, load_decoder(config, "draft", mesh), **extra)
@@ -131,13 +131,6 @@ def build_solver(config: JobConfig) -> Solver:
         return [len(ids) for ids in request.encoded]
 
     return Solver(solve, prompts_per_call(config, sampler), check)
-
-
-def job_reward(config: JobConfig, model: Model, mesh: Mesh | None) -> Reward:
-    """The search's reward: `self_certainty` reads the generator `model`, the others load their own."""
-    if config.reward == "self_certainty":
-        return SelfCertainty(model)
-    return resolve_reward(config.reward, config.dtype, mesh)
 
 
 def search_call(config: JobConfig, model: Any, reward: Reward) -> Callable[..., list]:

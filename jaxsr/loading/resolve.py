@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from jaxsr.loading.api import Header, load_model, load_reward_model, read_header
 from jaxsr.models.model import Model
-from jaxsr.rewards import Reward, SelfLikelihood, as_reward
+from jaxsr.rewards import Reward, SelfCertainty, SelfLikelihood, as_reward
 from jaxsr.sharding import make_mesh
 
 
@@ -70,13 +70,16 @@ def resolve_header(name: str, key: str = "model") -> Header:
 
 
 def resolve_reward(name: str | None, dtype: str, mesh: Mesh | None = None) -> Reward:
-    """`self_likelihood`, `minilm` (the embedded all-MiniLM-L6-v2), or a reward-model checkpoint."""
+    """`self_likelihood`, `neg_perplexity`, `self_certainty` (read off the generator's sampling
+    logits), `minilm` (the embedded all-MiniLM-L6-v2), or a reward-model checkpoint."""
     if name is None:
         raise ValueError(
             "reward: best_of_n and speculative_rejection need a reward (self_likelihood, minilm, or a path)"
         )
     if name in ("self_likelihood", "neg_perplexity"):
         return SelfLikelihood("mean_logprob" if name == "self_likelihood" else "neg_perplexity")
+    if name == "self_certainty":
+        return SelfCertainty()
     with _config_key("reward"):
         if name == "minilm":
             from jaxsr.loading.encoder import load_encoder, minilm_path

@@ -33,7 +33,7 @@ from jaxsr.sharding import data_shards, padded_rows
 
 BUILT_IN_REWARDS = ("self_likelihood", "neg_perplexity", "self_certainty", "minilm")
 """Rewards without a reward model of their own to plan (minilm's encoder is small and not planned;
-self_certainty's pass over the generator is a prefill's size)."""
+the others read the generator's sampling logits)."""
 REWARD_ACCELERATED_BATCH = 32
 """`ClassifierReward`'s responses per scoring call on an accelerator (`reward_batch`)."""
 

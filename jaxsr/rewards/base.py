@@ -31,6 +31,9 @@ class Candidates:
     stop_tokens: list[int | None] | None = None
     """[n] the EOS or stop id that ended each response (None: it ran out of tokens); None when not
     known (the responses were not sampled by jaxsr)."""
+    certainty_sum: np.ndarray | None = None
+    """[n] the generator's self-certainty summed over the positions `logprob_sum` covers
+    (`Sample.certainty`); None when not known (the responses were not sampled by jaxsr)."""
 
     def __post_init__(self) -> None:
         if self.messages is None:

@@ -44,7 +44,7 @@ class ImplicitReward:
 
     def score_many(self, batches: list[Candidates]) -> list[np.ndarray]:
         """Several prompts' responses, the reference's log-probabilities computed in shared batches."""
-        reference, lengths, forwards = score_responses(self.reference, batches, "logprob", self.batch_size)
+        reference, lengths, forwards = score_responses(self.reference, batches, self.batch_size)
         self.token_forwards += forwards
         implicit = np.concatenate([c.logprob_sum for c in batches]) - reference
         if self.kind == "mean":

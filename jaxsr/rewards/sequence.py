@@ -1,11 +1,9 @@
-"""A language model's per-token statistics of responses after their prompts, summed over each
-response: what rewards that read a model's own distributions (the implicit reward's reference
-log-probabilities, self-certainty) compute in one forward pass, in shared bucketed batches."""
+"""A language model's log-probabilities of responses after their prompts, summed over each response:
+what the implicit reward's reference computes in one forward pass, in shared bucketed batches."""
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -18,38 +16,25 @@ from jaxsr.rewards.base import Candidates
 from jaxsr.sharding import padded_rows, place_rows
 from jaxsr.text import left_pad
 
-Statistic = Literal["logprob", "certainty"]
-"""`logprob`: log p of the token that follows. `certainty`: KL(uniform ‖ p) of the next-token
-distribution, −log V − mean_v log p_v (Kang et al. 2025's self-certainty of one position)."""
 
-
-@partial(jax.jit, static_argnums=(0, 4, 6))
+@partial(jax.jit, static_argnums=(0, 4))
 def _response_sums(
-    graph: nnx.GraphDef,
-    params: nnx.State,
-    tokens: jax.Array,
-    mask: jax.Array,
-    width: int,
-    lengths: jax.Array,
-    statistic: Statistic,
+    graph: nnx.GraphDef, params: nnx.State, tokens: jax.Array, mask: jax.Array, width: int, lengths: jax.Array
 ) -> jax.Array:
-    """[B] the statistic summed over each row's last `lengths[b]` tokens (≤ `width`), rows left-padded:
-    logits of the last `width` positions only."""
+    """[B] log-probabilities summed over each row's last `lengths[b]` tokens (≤ `width`), rows
+    left-padded: logits of the last `width` positions only."""
     module = nnx.merge(graph, params)
     hidden, _ = module.prefill(tokens, mask)
     logp = jax.nn.log_softmax(module.logits(hidden[:, -width - 1 : -1]).astype(jnp.float32), -1)
-    if statistic == "logprob":
-        values = jnp.take_along_axis(logp, tokens[:, -width:, None], -1)[..., 0]
-    else:
-        values = -jnp.log(logp.shape[-1]) - logp.mean(-1)
+    values = jnp.take_along_axis(logp, tokens[:, -width:, None], -1)[..., 0]
     response = jnp.arange(width)[None, :] >= width - lengths[:, None]
     return jnp.where(response, values, 0.0).sum(-1)
 
 
 def response_sums(
-    model: Model, prompts: list[list[int]], responses: list[list[int]], statistic: Statistic, batch_size: int
+    model: Model, prompts: list[list[int]], responses: list[list[int]], batch_size: int
 ) -> tuple[np.ndarray, int]:
-    """The statistic summed over each response after its prompt, shortest sequences first in batches
+    """Log-probabilities summed over each response after its prompt, shortest sequences first in batches
     of `batch_size`; and the token positions run through the model. A sequence longer than the
     model's context is refused naming the model."""
     out, forwards = np.zeros(len(responses), np.float64), 0
@@ -70,7 +55,7 @@ def response_sums(
         lengths[: len(chunk)] = [len(responses[i]) for i in chunk]
         forwards += rows * length
         tokens, mask, lengths = place_rows(model.mesh, tokens, mask, lengths)
-        sums = _response_sums(model.graph, model.params, tokens, mask, width, lengths, statistic)
+        sums = _response_sums(model.graph, model.params, tokens, mask, width, lengths)
         out[chunk] = np.asarray(sums)[: len(chunk)]
     return out, forwards
 
@@ -87,13 +72,13 @@ def stopped_responses(model: Model, candidates: Candidates) -> list[list[int]]:
 
 
 def score_responses(
-    model: Model, batches: list[Candidates], statistic: Statistic, batch_size: int
+    model: Model, batches: list[Candidates], batch_size: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Every batch's responses (with their stop tokens) after their prompts, one after another: the
-    statistic's sums, the responses' lengths, and the token positions run through the model."""
+    """Every batch's responses (with their stop tokens) after their prompts, one after another: their
+    log-probabilities' sums, the responses' lengths, and the token positions run through the model."""
     responses = [r for c in batches for r in stopped_responses(model, c)]
     prompts = [c.prompt_ids for c in batches for _ in c.token_ids]
-    sums, forwards = response_sums(model, prompts, responses, statistic, batch_size)
+    sums, forwards = response_sums(model, prompts, responses, batch_size)
     return sums, np.array([len(r) for r in responses], np.int64), forwards
 
 

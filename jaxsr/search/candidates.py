@@ -108,6 +108,11 @@ def score_samples(
     return [dataclasses.replace(s, score=float(x)) for s, x in zip(samples, scores, strict=True)]
 
 
+def known(values: list[float | None]) -> np.ndarray | None:
+    """`values` as an array, or None where any is unknown (a sample not drawn by jaxsr's sampler)."""
+    return None if any(v is None for v in values) else np.array(values, np.float64)
+
+
 def score_prompts(model: Model, reward: Reward, items: list[Scored]) -> list[list[Sample]]:
     """Several prompts' samples with their reward, scored together (in shared model batches where
     the reward can: `rewards.base.score_each`)."""
@@ -121,6 +126,7 @@ def score_prompts(model: Model, reward: Reward, items: list[Scored]) -> list[lis
             num_tokens=np.array([len(s.token_ids) + s.finished for s in samples]),  # stop token included
             messages=prompt_messages(model, prompt),
             stop_tokens=[s.stop_token for s in samples],
+            certainty_sum=known([s.certainty for s in samples]),
         )
         for prompt, prompt_ids, samples in items
     ]
