@@ -43,7 +43,7 @@ def check_field_types(config: Any) -> None:
             setattr(config, field.name, int(value))
             continue
         if not any(_is_instance(value, t) for t in allowed):
-            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            names = " or ".join(_type_name(t) for t in allowed)
             raise ValueError(f"{field.name}: expected {names}, got {value!r}")
     if not 0 <= config.seed < 2**32:
         raise ValueError(f"seed: expected an int in [0, 2**32), got {config.seed}")
@@ -57,7 +57,19 @@ def check_mesh_keys(config: Any) -> None:
         raise ValueError(f"mesh_data: expected -1 (all devices) or an int >= 1, got {config.mesh_data}")
 
 
-def _is_instance(value: Any, kind: type) -> bool:
+def _type_name(kind: Any) -> str:
+    if kind is type(None):
+        return "None"
+    if typing.get_origin(kind) is list:
+        return f"a list of {typing.get_args(kind)[0].__name__}s"
+    return kind.__name__
+
+
+def _is_instance(value: Any, kind: Any) -> bool:
+    """`isinstance`, where a bool is no int and `list[int]` means a list of ints."""
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        return isinstance(value, list) and all(_is_instance(v, item) for v in value)
     return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 

@@ -25,7 +25,7 @@ from tiny import tiny_config
 from jaxsr.decoding import loop
 from jaxsr.decoding.contrast import contrastive_scores, make_contrast
 from jaxsr.decoding.driver import Sampler
-from jaxsr.decoding.sampling import SamplingConfig, probabilities
+from jaxsr.decoding.sampling import SamplingConfig, history, probabilities
 from jaxsr.decoding.speculative import SpeculativeContrastiveDecoding, SpeculativeDecoding, residual
 from jaxsr.decoding.steps import ContrastiveDecoding
 from jaxsr.models.decoder import Decoder
@@ -39,6 +39,11 @@ SMALL = dict(
 )
 PLAIN = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0)
 PROCESSED = SamplingConfig(temperature=0.8, top_k=6, top_p=0.95)
+PENALIZED = SamplingConfig(
+    temperature=1.0, top_k=0, min_p=0.02, repetition_penalty=1.6, frequency_penalty=0.4, presence_penalty=0.3
+)
+"""Penalties over the prompt and the row's tokens (so the target distribution depends on the drafts
+before each position), and min-p."""
 CONTRAST = make_contrast(alpha=0.1, beta=0.5)
 EOS = 5
 
@@ -81,18 +86,26 @@ COMPOSITIONS = {
         stop=(EOS,),
         sampling=PROCESSED,
     ),
+    "penalties": dict(
+        prompts=[[1, 2, 1]],
+        G=N,
+        budget=lambda s: 4 + 0 * s,
+        alive=lambda s: s >= 0,
+        stop=(),
+        sampling=PENALIZED,
+    ),
 }
 
 
 def decoder(kind: str, gamma: int, sampling: SamplingConfig) -> Sampler:
     """The target and draft as the `kind` decoder, sampling with `sampling`."""
     if kind == "CD":
-        method, weights = ContrastiveDecoding(sampling), CONTRAST
+        method, weights = ContrastiveDecoding(), CONTRAST
     elif kind == "SD":
-        method, weights = SpeculativeDecoding(sampling, gamma=gamma), None
+        method, weights = SpeculativeDecoding(gamma=gamma), None
     else:
-        method, weights = SpeculativeContrastiveDecoding(sampling, gamma=gamma), CONTRAST
-    return Sampler(models(), method, weights)
+        method, weights = SpeculativeContrastiveDecoding(gamma=gamma), CONTRAST
+    return Sampler(models(), method, weights, sampling)
 
 
 @functools.cache
@@ -139,8 +152,17 @@ def distributions(kind: str, prompt: list[int], prefixes: list[tuple[int, ...]],
     z_e = np.asarray(target.logits(seqs, mask))[: len(prefixes), -1]
     z_a = np.asarray(draft.logits(seqs, mask))[: len(prefixes), -1]
     scores = z_e if kind == "SD" else contrastive_scores(jnp.asarray(z_e), jnp.asarray(z_a), CONTRAST)
-    p = probabilities(jnp.asarray(scores), sampling)
-    q = probabilities(jnp.asarray(z_a), sampling)
+    compiled = sampling.compiled()
+    past = None
+    if compiled.form.penalties:  # each prefix's counts, after the prompt
+        generated = np.zeros((len(prefixes), max(map(len, prefixes), default=0) + 1), np.int32)
+        for i, prefix in enumerate(prefixes):
+            generated[i, : len(prefix)] = prefix
+        lengths = np.array([len(prefix) for prefix in prefixes], np.int32)
+        prompts = np.tile(np.asarray(prompt, np.int32), (len(prefixes), 1))
+        past = history(compiled, jnp.asarray(generated), jnp.asarray(lengths), jnp.asarray(prompts), V)
+    p = probabilities(jnp.asarray(scores), compiled, past)
+    q = probabilities(jnp.asarray(z_a), compiled, past)
     return np.asarray(p, np.float64), np.asarray(q, np.float64)
 
 
@@ -215,6 +237,9 @@ CASES = [
     ("SCD", 3, "two prompts, mixed budgets, padding rows"),
     ("SCD", 5, "eos, processed sampling"),
     ("CD", 0, "eos, processed sampling"),
+    ("SD", 2, "penalties"),
+    ("SCD", 2, "penalties"),
+    ("CD", 0, "penalties"),
 ]
 
 

@@ -119,11 +119,11 @@ def test_sampling_is_nan_free_and_draws_only_scored_ids(sampling):
         .set(3.0 * jax.random.normal(jax.random.PRNGKey(0), (64, len(IDS))))
     )
     keys = jax.random.split(jax.random.PRNGKey(1), 64)
-    assert not np.isnan(np.asarray(process_logits(z, sampling))).any()
-    p = np.asarray(probabilities(z, sampling))
+    assert not np.isnan(np.asarray(process_logits(z, sampling.compiled()))).any()
+    p = np.asarray(probabilities(z, sampling.compiled()))
     assert not np.isnan(p).any() and (p[:, np.setdiff1d(np.arange(V), IDS)] == 0).all()
     np.testing.assert_allclose(p.sum(-1), 1.0, atol=1e-6)
-    tokens = np.asarray(draw(keys, z, sampling))
+    tokens = np.asarray(draw(keys, z, sampling.compiled()))
     assert np.isin(tokens, IDS).all()
     logp, certainty = token_statistics(z, jnp.asarray(tokens))
     assert np.isfinite(np.asarray(logp)).all()
@@ -136,7 +136,7 @@ def test_sampling_is_nan_free_and_draws_only_scored_ids(sampling):
     np.testing.assert_allclose(np.asarray(certainty), expected, rtol=1e-4, atol=1e-5)
     # the speculative residual where the draft (here: these logits) covers only IDS and the target all
     q = jnp.asarray(p)[:, None]
-    target = probabilities(jax.random.normal(jax.random.PRNGKey(2), (64, V)), sampling)
+    target = probabilities(jax.random.normal(jax.random.PRNGKey(2), (64, V)), sampling.compiled())
     r = np.asarray(next_distribution(target[:, None], q, target, jnp.zeros(64, jnp.int32)))
     assert not np.isnan(r).any() and np.allclose(r.sum(-1), 1.0, atol=1e-5)
 
@@ -274,7 +274,7 @@ def test_speculative_sampling_with_a_reduced_draft_is_exact(gamma, comp):
     c = E.COMPOSITIONS[comp]
     target, _ = E.models()
     draft = E.contextual_model(4, head_token_ids=HEAD)
-    sampler = Sampler((target, draft), SpeculativeDecoding(c["sampling"], gamma=gamma))
+    sampler = Sampler((target, draft), SpeculativeDecoding(gamma=gamma), sampling=c["sampling"])
     prompt_index, sample_ids, tokens, lengths, accepted = E.run(sampler, comp)
     generated = np.arange(tokens.shape[1])[None, :] < lengths[:, None]
     assert np.isin(tokens[generated], [1, 4, 7]).any()  # the target's own tokens come from the residual

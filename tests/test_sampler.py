@@ -10,6 +10,7 @@ from compiles import compilations
 from flax import nnx
 from tiny import tiny_config, tiny_model
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -18,7 +19,7 @@ from transformers.generation.logits_process import (
 import jaxsr
 from jaxsr.decoding import loop
 from jaxsr.decoding.sampling import CDF_BLOCK, SamplingConfig, draw_from, process_logits, top_k
-from jaxsr.decoding.steps import PlainSampling
+from jaxsr.decoding.steps import Controls, PlainSampling
 from jaxsr.models.decoder import Decoder
 from jaxsr.models.model import RewardModel
 
@@ -37,6 +38,8 @@ def lm():
         SamplingConfig(temperature=1.3, top_k=0, top_p=0.8),
         SamplingConfig(temperature=1.0, top_k=20, top_p=0.5),
         SamplingConfig(temperature=1.0, top_k=0, top_p=1.0),
+        SamplingConfig(temperature=0.9, top_k=0, top_p=1.0, min_p=0.1),
+        SamplingConfig(temperature=1.4, top_k=30, top_p=0.9, min_p=0.05),
     ],
 )
 def test_processors_keep_the_same_tokens_as_hugging_face(config):
@@ -46,11 +49,12 @@ def test_processors_keep_the_same_tokens_as_hugging_face(config):
         TemperatureLogitsWarper(config.temperature),
         TopKLogitsWarper(config.top_k) if config.top_k else None,
         TopPLogitsWarper(config.top_p) if config.top_p < 1 else None,
+        MinPLogitsWarper(config.min_p) if config.min_p > 0 else None,
     ):
         if warper is not None:
             ref = warper(None, ref)
     ref = ref.numpy()
-    ours = np.asarray(process_logits(logits, config))
+    ours = np.asarray(process_logits(logits, config.compiled()))
     kept = ref > -np.inf
     # the kept set is a choice, compared exactly: no cumulative probability of these logits lies within
     # 1.4e-3 of top_p, far above float32 rounding; the kept values agree to a few ulps (jax vs torch)
@@ -141,14 +145,15 @@ def test_the_compiled_decode_loop_updates_the_row_cache_in_place(lm):
     import jax.numpy as jnp
 
     logits, prompt = loop.prefill(lm.graph, lm.params, jnp.ones((1, 16), jnp.int32), jnp.ones((1, 16), bool))
-    B, capacity, method = 8, 40, PlainSampling(SamplingConfig())
+    B, capacity, method = 8, 40, PlainSampling()
+    controls = Controls(SamplingConfig().compiled())
     new = loop.NewRows(
         seed=np.uint32(0), prompt_ids=jnp.zeros(1, jnp.int32), sample_ids=jnp.arange(B, dtype=jnp.int32),
         alive=jnp.ones(B, bool), max_new_tokens=jnp.full(B, capacity, jnp.int32),
         stop_ids=jnp.full((B, 1), -1, jnp.int32),
     )  # fmt: skip
-    state = loop.init_state((logits,), (prompt,), None, new, method=method, capacity=capacity)
-    hlo = loop.decode_loop.lower((lm.graph,), (lm.params,), state, (prompt,), None, method=method)
+    state = loop.init_state((logits,), (prompt,), controls, new, method=method, capacity=capacity)
+    hlo = loop.decode_loop.lower((lm.graph,), (lm.params,), state, (prompt,), controls, method=method)
     hlo = hlo.compile().as_text()
     K, D = lm.config.num_kv_heads, lm.config.head_dim
     shapes = {f"f32[{B},{K},{D},{capacity}]", f"f32[{B},{K},{capacity},{D}]"}
@@ -169,13 +174,17 @@ def test_prompt_is_prefilled_once_for_all_samples(lm):
     [
         SamplingConfig(temperature=0.8, top_k=6, top_p=0.95),
         SamplingConfig(temperature=1.2, top_k=0, top_p=0.9),
+        SamplingConfig(temperature=1.1, top_k=0, top_p=1.0, min_p=0.02),
+        SamplingConfig(temperature=0.7, top_k=8, top_p=1.0, min_p=0.05),
     ],
 )
 def test_first_token_distribution_is_the_processed_softmax(lm, cfg):
     n = 4000
     out = jaxsr.generate(lm, [PROMPTS[1]], max_new_tokens=1, num_samples=n, seed=3, sampling=cfg, max_rows=n)
     counts = np.bincount([s.token_ids[0] for s in out[0].samples], minlength=lm.config.vocab_size)
-    probs = np.asarray(jax_softmax(process_logits(lm.logits([PROMPTS[1]])[:, -1], cfg)))[0].astype(np.float64)
+    probs = np.asarray(jax_softmax(process_logits(lm.logits([PROMPTS[1]])[:, -1], cfg.compiled())))[0].astype(
+        np.float64
+    )
     support = probs > 1e-9
     assert counts[~support].sum() == 0 and support.sum() > 2
     expected = probs[support] / probs[support].sum() * n

@@ -22,7 +22,6 @@ from jaxsr.decoding.inputs import (
     Options,
     Request,
     check_contrastive_pair,
-    check_language_model,
     check_pair,
     prepare,
 )
@@ -154,7 +153,8 @@ def speculative_stats(
     if baseline:
         reference = method.baseline
         models = sampler.models[: reference.num_models]
-        reference_sampler = Sampler(models, reference, sampler.contrast if contrastive else None)
+        contrast = sampler.contrast if contrastive else None
+        reference_sampler = Sampler(models, reference, contrast, sampler.sampling)
         base_s = decode(reference_sampler, request, num_samples=num_samples, max_rows=max_rows).decode_s
         for st in stats:
             st.update(
@@ -165,7 +165,7 @@ def speculative_stats(
 
 
 def generate(
-    model: Model,
+    model: Model | Sampler,
     prompts: Prompts,
     *,
     max_new_tokens: int,
@@ -177,15 +177,15 @@ def generate(
     max_rows: int | None = None,
     prompt_offset: int | Sequence[int] = 0,
 ) -> list[Result]:
-    """Sample `num_samples` responses to each prompt (one `Result` per prompt, in order).
+    """Sample `num_samples` responses to each prompt (one `Result` per prompt, in order) from a
+    language model, or with any `Sampler` (a speculative or contrastive decoder, or your own `Method`).
 
     `max_rows` bounds the rows decoded together (None: 64 a `data` shard); `prompt_offset` is the
     index of `prompts[0]` in a larger job, or a list of each prompt's index, so split, reordered or
     resumed jobs draw the same random streams as one whole call."""
-    check_language_model(model, "model")
     options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
     return decode_prompts(
-        as_sampler(model, SamplingConfig()), prompts, options, num_samples=num_samples, max_rows=max_rows
+        as_sampler(model, sampling), prompts, options, num_samples=num_samples, max_rows=max_rows
     )
 
 

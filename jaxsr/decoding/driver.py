@@ -1,4 +1,4 @@
-"""The sampler (models + method + contrast weights), the one batch set-up every driver uses, and
+"""The sampler (models + method + sampling + contrast weights), the one batch set-up every driver uses, and
 `decode`, the driver of plain decoding calls.
 
 A batch is set up in two steps: `Sampler.prefill_prompts` (left-pad, prefill each prompt once per
@@ -23,10 +23,10 @@ from jax.sharding import Mesh
 from jaxsr import text
 from jaxsr.decoding import loop
 from jaxsr.decoding.contrast import Contrast
-from jaxsr.decoding.inputs import Request
+from jaxsr.decoding.inputs import Request, check_language_model
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.state import DecodeState, compact, concat_rows, response, take_rows, to_host
-from jaxsr.decoding.steps import Method, PlainSampling
+from jaxsr.decoding.steps import Controls, Method, PlainSampling
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Sample
@@ -48,6 +48,13 @@ class Sampler:
     method: Method
     contrast: Contrast | None = None
     """Traced contrast weights (contrastive methods), else None."""
+    sampling: SamplingConfig = SamplingConfig()
+    """How tokens are drawn; its values reach the programs traced (`controls`)."""
+
+    @property
+    def controls(self) -> Controls:
+        """What the programs take beside the state: the sampling values and the contrast weights."""
+        return Controls(self.sampling.compiled(), self.contrast)
 
     @property
     def target(self) -> Model:
@@ -76,19 +83,21 @@ class Sampler:
     def row_work_bytes(self) -> int:
         """Bytes a decode step holds per row on a device beside its caches: vocabulary-sized float32
         arrays (logits, their softmax, sampling noise and masks), WORK_VOCAB_COPIES of them per position
-        the step scores (a speculative step scores its look-ahead's); the device's share of the
-        vocabulary where the `model` axis splits it."""
+        the step scores (a speculative step scores its look-ahead's), PENALTY_VOCAB_COPIES more with
+        penalties on (the rows' token counts and what they mask); the device's share of the vocabulary
+        where the `model` axis splits it."""
         vocab = self.target.config.vocab_size
         split = 1 if self.mesh is None else self.mesh.shape.get("model", 1)
         share = vocab // split if vocab % split == 0 else vocab
-        return WORK_VOCAB_COPIES * 4 * share * max(1, self.headroom)
+        copies = WORK_VOCAB_COPIES + PENALTY_VOCAB_COPIES * self.sampling.compiled().form.penalties
+        return copies * 4 * share * max(1, self.headroom)
 
     @property
     def mesh(self) -> Mesh | None:
         return mesh_of(*self.models)
 
     def with_sampling(self, sampling: SamplingConfig) -> Sampler:
-        return dataclasses.replace(self, method=self.method.with_sampling(sampling))
+        return dataclasses.replace(self, sampling=sampling)
 
     def on_mesh(self):
         return on_mesh(*self.models)
@@ -108,7 +117,7 @@ class Sampler:
 
     def init_state(self, prefilled: tuple[tuple, tuple], new: loop.NewRows, **capacities: int) -> DecodeState:
         """New rows after a prefill (`capacity`, `cache_capacity` as `loop.init_state`'s)."""
-        return loop.init_state(*prefilled, self.contrast, new, method=self.method, **capacities)
+        return loop.init_state(*prefilled, self.controls, new, method=self.method, **capacities)
 
     def start(
         self, prefill: Prefill, layout: Layout, request: Request, segment: int | None = None
@@ -123,13 +132,13 @@ class Sampler:
 
     def compiled_loop(self, state: DecodeState, prompts: tuple) -> Any:
         """The decode loop compiled for this state's shapes (paused or not): (params, state, prompts,
-        contrast, pause_at) → state."""
+        controls, pause_at) → state."""
         return loop.decode_loop.lower(
             self.graphs,
             self.params,
             state,
             prompts,
-            self.contrast,
+            self.controls,
             method=self.method,
             pause_at=loop.NO_PAUSE,
         ).compile()
@@ -140,7 +149,7 @@ class Sampler:
         """Decode until every row is done or has `pause_at` tokens (the state is donated); an
         `observer` (`loop.Observer`) records beside the tokens."""
         return loop.decode_loop(
-            self.graphs, self.params, state, prompts, self.contrast,
+            self.graphs, self.params, state, prompts, self.controls,
             method=self.method, pause_at=pause_at, observer=observer,
         )  # fmt: skip
 
@@ -164,8 +173,8 @@ def as_sampler(sampler: Any, sampling: SamplingConfig) -> Sampler:
     search functions' `model` argument)."""
     if isinstance(sampler, Sampler):
         return sampler.with_sampling(sampling)
-    if isinstance(sampler, Model) and not sampler.config.is_reward_model:
-        return Sampler((sampler,), PlainSampling(sampling))
+    if isinstance(sampler, Model):
+        return Sampler((check_language_model(sampler, "model"),), PlainSampling(), sampling=sampling)
     raise TypeError(
         "model: expected a jaxsr.Model (language model) or a sampler from jaxsr.speculative_decoder / "
         f"contrastive_decoder / speculative_contrastive_decoder, got {type(sampler).__name__}"
@@ -183,6 +192,9 @@ WORK_VOCAB_COPIES = 6
 """Float32 vocabulary-sized arrays a decode step holds per row and scored position, rounded up from the
 compiled programs' temporaries (`jaxsr plan`, Llama-3.1-8B widths): 5.4 on a TPU v5e for plain and
 contrastive sampling, 29 over the 5 positions of speculative decoding with γ=4; 1.1 on an H100."""
+PENALTY_VOCAB_COPIES = 3
+"""Vocabulary-sized 4-byte arrays penalties add per row and scored position: the generated tokens'
+counts, the prompt's tokens (1 byte), and the penalized scores (not measured on an accelerator yet)."""
 
 
 class Prefill(NamedTuple):
@@ -331,7 +343,7 @@ def decode_batch(
         watch = Stopwatch()  # the rows' first tokens and the loop: compiled on a shape's first use
         state = sampler.start(prefill, layout, request)
         compiled = sampler.compiled_loop(state, prefill.caches)
-        state = compiled(sampler.params, state, prefill.caches, sampler.contrast, pause_at=loop.NO_PAUSE)
+        state = compiled(sampler.params, state, prefill.caches, sampler.controls, pause_at=loop.NO_PAUSE)
         host = to_host(state)
         running, compiling = watch.split()
         decode_s, compile_s = decode_s + running, compile_s + compiling

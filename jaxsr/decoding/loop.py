@@ -1,11 +1,12 @@
 """The jitted programs of every method: prefill, the rows' first tokens, and the token loop.
 
 Research use, from your own code (`method` any `Method`; its models' graphs, params and prompt caches
-as tuples, the target first; `contrast` the traced weights of contrastive methods, else None)::
+as tuples, the target first; `controls` the traced sampling values and contrast weights,
+`Controls(SamplingConfig(...).compiled(), contrast=None)`)::
 
     logits, prompt = prefill(lm.graph, lm.params, tokens, mask)          # once per prompt and model
-    state = init_state((logits,), (prompt,), None, NewRows(...), method=PlainSampling(cfg), capacity=64)
-    state = decode_loop((lm.graph,), (lm.params,), state, (prompt,), None, method=PlainSampling(cfg))
+    state = init_state((logits,), (prompt,), controls, NewRows(...), method=PlainSampling(), capacity=64)
+    state = decode_loop((lm.graph,), (lm.params,), state, (prompt,), controls, method=PlainSampling())
     state = compact(state, survivors, alive, cache_capacity=...)         # e.g. a search's rejection
     state = decode_loop(...)                                              # nothing is prefilled again
 """
@@ -20,10 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxsr.decoding.contrast import Contrast
 from jaxsr.decoding.sampling import draw, token_statistics
 from jaxsr.decoding.state import DecodeState, pin, record
-from jaxsr.decoding.steps import Graphs, Method, Params, PromptCaches, keys_of
+from jaxsr.decoding.steps import Controls, Graphs, Method, Params, PromptCaches, keys_of, past_of
 from jaxsr.models.cache import PromptCache, RowCache
 
 NO_PAUSE = np.int32(np.iinfo(np.int32).max)
@@ -61,7 +61,7 @@ class NewRows:
 def init_state(
     last_logits: tuple[jax.Array, ...],
     prompts: tuple[PromptCache, ...],
-    contrast: Contrast | None,
+    controls: Controls,
     new: NewRows,
     *,
     method: Method,
@@ -99,7 +99,8 @@ def init_state(
         tested=zeros,
     )
     logits = tuple(jnp.repeat(z, G, axis=0) for z in last_logits)
-    tokens = draw(keys_of(state), method.scores(logits, contrast), method.sampling)
+    past = past_of(state, prompts[0], controls.sampling, logits[0].shape[-1])
+    tokens = draw(keys_of(state), method.scores(logits, controls), controls.sampling, past)
     return pin(record(state, tokens, token_statistics(logits[0], tokens), new.alive))
 
 
@@ -121,7 +122,7 @@ def decode_loop(
     params: Params,
     state: DecodeState,
     prompts: PromptCaches,
-    contrast: Contrast | None,
+    controls: Controls,
     *,
     method: Method,
     pause_at: jax.Array | None = None,
@@ -139,8 +140,8 @@ def decode_loop(
 
     def body(s: DecodeState) -> DecodeState:
         if observer is None:
-            return pin(method.step(graphs, params, s, prompts, contrast, limit))
-        after, logits = method.advance(graphs, params, s, prompts, contrast, limit)
+            return pin(method.step(graphs, params, s, prompts, controls, limit))
+        after, logits = method.advance(graphs, params, s, prompts, controls, limit)
         return pin(after.replace(observation=observer.update(s.observation, s, s.active(limit), logits)))
 
     return jax.lax.while_loop(running, body, state)

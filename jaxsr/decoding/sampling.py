@@ -1,5 +1,9 @@
-"""How a token is drawn: the sampling configuration, the float32 logits processors (temperature →
-top-k → top-p), per-row random streams, and the draws.
+"""How a token is drawn: the sampling configuration, the float32 logits processors (forbidden ids and
+penalties → temperature → top-k → top-p → min-p), per-row random streams, and the draws.
+
+A `SamplingConfig` reaches the compiled programs as a `Sampling`: its form (greedy or not, top-k, which
+filters and penalties run, the forbidden ids) is static, its values (temperature, top-p, min-p, the
+penalties) are traced, so a sweep over the values reuses one program.
 
 Randomness: row b's token at generated index t uses the key fold_in(seed, prompt_id, sample_id, t), so
 the same seed gives the same tokens however prompts and samples are batched or bucketed."""
@@ -11,6 +15,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 from jaxsr.checks import check_int, check_number
 from jaxsr.models.layers import MASKED
@@ -22,18 +28,40 @@ MIN_TEMPERATURE = 1e-4
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """How the next token is drawn. `temperature=0` is greedy; `top_k=0` and `top_p=1.0` disable
-    those filters (Hugging Face's convention). Hashable, so jitted code treats it as static."""
+    """How the next token is drawn. `temperature=0` is greedy; `top_k=0`, `top_p=1.0` and `min_p=0.0`
+    disable those filters (Hugging Face's convention). Penalties, as vLLM and transformers define them:
+    `repetition_penalty` divides a positive score (multiplies a negative one) of every token the row
+    generated or, with `penalize_prompt`, its prompt holds; `frequency_penalty` subtracts per time a
+    token was generated, `presence_penalty` once if it was. `forbidden_token_ids` are never drawn.
+    Hashable; equal configs give equal programs, and configs differing only in values share one."""
 
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalize_prompt: bool = True
+    forbidden_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        # NumPy scalars become their Python twins: equal configs then hash alike for jit
-        object.__setattr__(self, "temperature", check_number("temperature", self.temperature))
+        # NumPy scalars become their Python twins: equal configs then hash alike
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
+            object.__setattr__(self, name, check_number(name, getattr(self, name)))
         object.__setattr__(self, "top_k", check_int("top_k", self.top_k))
-        object.__setattr__(self, "top_p", check_number("top_p", self.top_p))
+        if not isinstance(self.penalize_prompt, bool):
+            raise TypeError(f"penalize_prompt: expected a bool, got {type(self.penalize_prompt).__name__}")
+        object.__setattr__(
+            self, "forbidden_token_ids", _token_ids("forbidden_token_ids", self.forbidden_token_ids)
+        )
         if self.temperature < 0:
             raise ValueError(f"temperature: expected a finite number >= 0, got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -45,30 +73,171 @@ class SamplingConfig:
             raise ValueError(f"top_k: expected >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p: expected a value in [0, 1] (0 disables it), got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty: expected a value > 0 (1 disables it), got {self.repetition_penalty}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def compiled(self) -> Sampling:
+        """This config as programs take it: its form static, its values traced float32 scalars."""
+        form = Form(
+            greedy=self.greedy,
+            top_k=self.top_k,
+            top_p=self.top_p < 1.0,
+            min_p=self.min_p > 0.0,
+            repetition=self.repetition_penalty != 1.0,
+            additive=self.frequency_penalty != 0.0 or self.presence_penalty != 0.0,
+            penalize_prompt=self.penalize_prompt,
+            forbidden=self.forbidden_token_ids,
+        )
+        values = {name: np.float32(getattr(self, name)) for name in VALUES}  # uncommitted: any device
+        return Sampling(form=form, **values)
 
-def process_logits(logits: jax.Array, config: SamplingConfig) -> jax.Array:
-    """Filtered, tempered float32 logits [..., V]; removed tokens get a large negative value.
 
-    Greedy configs return the raw logits (argmax is taken by `sample`)."""
-    logits = logits.astype(jnp.float32)
-    if config.greedy:
+def _token_ids(name: str, ids: object) -> tuple[int, ...]:
+    """Token ids as a sorted tuple of ints >= 0 (static: part of the program)."""
+    if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"{name}: expected a sequence of token ids, got {type(ids).__name__}")
+    out = tuple(sorted({check_int(name, i) for i in ids}))
+    if out and out[0] < 0:
+        raise ValueError(f"{name}: token ids are >= 0, got {out[0]}")
+    return out
+
+
+VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+"""The `SamplingConfig` fields a program takes as traced values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """What a sampling program computes (static: another form compiles another program)."""
+
+    greedy: bool = False
+    top_k: int = 50
+    top_p: bool = False
+    """Whether a nucleus filter runs (its mass is a traced value)."""
+    min_p: bool = False
+    repetition: bool = False
+    additive: bool = False
+    """Whether frequency or presence penalties run."""
+    penalize_prompt: bool = True
+    forbidden: tuple[int, ...] = ()
+
+    @property
+    def penalties(self) -> bool:
+        return self.repetition or self.additive
+
+
+@struct.dataclass
+class Sampling:
+    """A `SamplingConfig` as the compiled programs see it (`SamplingConfig.compiled`)."""
+
+    form: Form = struct.field(pytree_node=False)
+    temperature: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    frequency_penalty: jax.Array
+    presence_penalty: jax.Array
+
+    @property
+    def greedy(self) -> bool:
+        return self.form.greedy
+
+
+@struct.dataclass
+class History:
+    """What penalties read of each row, broadcastable against its scores [..., V]: how many times it
+    generated each token, and (repetition over the prompt) which tokens its prompt holds."""
+
+    counts: jax.Array
+    """[..., V] int32."""
+    prompt: jax.Array | None = None
+    """[..., V] bool, or None when the repetition penalty leaves the prompt out."""
+
+    def plus(self, tokens: jax.Array) -> History:
+        """This history after one more token per row (`tokens` [B], counts [B, V])."""
+        return self.replace(
+            counts=self.counts + jax.nn.one_hot(tokens, self.counts.shape[-1], dtype=jnp.int32)
+        )
+
+    def along(self, drafts: jax.Array) -> tuple[History, History]:
+        """The history at each position of a look-ahead over `drafts` [B, γ] (position j after the
+        first j drafts): positions 0 … γ-1 ([B, γ, V]), and position γ ([B, V])."""
+        added = jnp.cumsum(jax.nn.one_hot(drafts, self.counts.shape[-1], dtype=jnp.int32), axis=1)
+        before = jnp.concatenate([self.counts[:, None], self.counts[:, None] + added[:, :-1]], axis=1)
+        prompt = None if self.prompt is None else self.prompt[:, None]
+        return History(before, prompt), self.replace(counts=self.counts + added[:, -1])
+
+
+def history(
+    sampling: Sampling, tokens: jax.Array, num_generated: jax.Array, prompt: jax.Array, vocab: int
+) -> History:
+    """Each row's `History` for `sampling`'s penalties: counts of its first `num_generated` tokens
+    [B, N], and the tokens of its prompt (`prompt` [B, S], -1 on padding)."""
+    form = sampling.form
+    B, N = tokens.shape
+    generated = (jnp.arange(N)[None, :] < num_generated[:, None]).astype(jnp.int32)
+    counts = jnp.zeros((B, vocab), jnp.int32).at[jnp.arange(B)[:, None], tokens].add(generated)
+    seen = None
+    if form.repetition and form.penalize_prompt:
+        rows = jnp.broadcast_to(jnp.arange(B)[:, None], prompt.shape)
+        index = jnp.where(prompt >= 0, prompt, vocab)  # padding: dropped
+        seen = jnp.zeros((B, vocab), bool).at[rows, index].set(True, mode="drop")
+    return History(counts, seen)
+
+
+def controlled(scores: jax.Array, sampling: Sampling, past: History | None) -> jax.Array:
+    """float32 scores [..., V] with the forbidden ids masked and the penalties applied (vLLM's order:
+    repetition, then frequency and presence), before temperature and filters."""
+    scores = scores.astype(jnp.float32)
+    form = sampling.form
+    if form.forbidden:
+        scores = scores.at[..., jnp.asarray(form.forbidden)].set(MASKED, mode="drop")
+    if past is None:
+        return scores
+    generated = past.counts > 0
+    if form.repetition:
+        seen = generated if past.prompt is None else generated | past.prompt
+        rate = sampling.repetition_penalty
+        scores = jnp.where(seen, jnp.where(scores > 0, scores / rate, scores * rate), scores)
+    if form.additive:
+        scores = scores - sampling.frequency_penalty * past.counts - sampling.presence_penalty * generated
+    return scores
+
+
+def process_logits(logits: jax.Array, sampling: Sampling, past: History | None = None) -> jax.Array:
+    """Filtered, tempered float32 logits [..., V] (after `controlled`); removed tokens get a large
+    negative value. Greedy configs return the controlled logits (argmax is taken by `draw`)."""
+    logits = controlled(logits, sampling, past)
+    form = sampling.form
+    if form.greedy:
         return logits
-    if config.temperature != 1.0:
-        logits = logits / config.temperature
-    if 0 < config.top_k < logits.shape[-1]:
+    logits = logits / sampling.temperature
+    if 0 < form.top_k < logits.shape[-1]:
         # .min rather than [..., -1:]: XLA:CPU otherwise re-runs top_k for every element it masks
-        kth = top_k(logits, config.top_k)[0].min(-1, keepdims=True)
+        kth = top_k(logits, form.top_k)[0].min(-1, keepdims=True)
         logits = jnp.where(logits < kth, MASKED, logits)
-    if config.top_p < 1.0:
-        kept = _top_p_sorted(-jnp.sort(-logits, axis=-1), config.top_p)
+    if form.top_p:
+        kept = _top_p_sorted(-jnp.sort(-logits, axis=-1), sampling.top_p)
         threshold = jnp.where(kept > MASKED, kept, jnp.inf).min(-1, keepdims=True)
         logits = jnp.where(logits < threshold, MASKED, logits)
+    if form.min_p:
+        logits = _min_p(logits, sampling.min_p)
     return logits
+
+
+def _min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Mask tokens whose probability is under `min_p` times the most likely one's (ratio of softmaxes:
+    a difference of logits, so it holds before or after other filters renormalise)."""
+    floor = logits.max(-1, keepdims=True) + jnp.log(min_p)
+    return jnp.where(logits < floor, MASKED, logits)
 
 
 TOP_K_BLOCK = 64
@@ -100,29 +269,31 @@ def _blocked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return values, (first + where % TOP_K_BLOCK).astype(jnp.int32)
 
 
-def _top_p_sorted(sorted_logits: jax.Array, top_p: float) -> jax.Array:
+def _top_p_sorted(sorted_logits: jax.Array, top_p: jax.Array) -> jax.Array:
     """Mask descending-sorted logits outside the nucleus (the top token always stays)."""
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     above = jnp.cumsum(probs, axis=-1) - probs
     return jnp.where(above < top_p, sorted_logits, MASKED)
 
 
-def draw(keys: jax.Array, logits: jax.Array, config: SamplingConfig) -> jax.Array:
+def draw(keys: jax.Array, logits: jax.Array, sampling: Sampling, past: History | None = None) -> jax.Array:
     """One token per row [B] from raw logits [B, V] with per-row keys, distributed as
     softmax(process_logits(logits)). With top-k on, only the k candidates are sampled from, which
     avoids drawing V Gumbel variables per row (equal in law; exact ties at the k-th logit aside)."""
-    if config.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    form = sampling.form
+    if form.greedy:
+        return jnp.argmax(controlled(logits, sampling, past), axis=-1).astype(jnp.int32)
     V = logits.shape[-1]
-    if 0 < config.top_k < V:
-        values, index = top_k(logits.astype(jnp.float32), config.top_k)
-        if config.temperature != 1.0:
-            values = values / config.temperature
-        if config.top_p < 1.0:
-            values = _top_p_sorted(values, config.top_p)
+    if 0 < form.top_k < V:
+        values, index = top_k(controlled(logits, sampling, past), form.top_k)
+        values = values / sampling.temperature
+        if form.top_p:
+            values = _top_p_sorted(values, sampling.top_p)
+        if form.min_p:
+            values = _min_p(values, sampling.min_p)
         choice = jax.vmap(jax.random.categorical)(keys, values)
         return jnp.take_along_axis(index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    probs = jax.nn.softmax(process_logits(logits, config), axis=-1)
+    probs = jax.nn.softmax(process_logits(logits, sampling, past), axis=-1)
     return jax.vmap(draw_from)(keys, probs)
 
 
@@ -154,12 +325,13 @@ def _last_positive_clamp(index: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.minimum(index, last)
 
 
-def probabilities(scores: jax.Array, sampling: SamplingConfig) -> jax.Array:
+def probabilities(scores: jax.Array, sampling: Sampling, past: History | None = None) -> jax.Array:
     """The sampling distribution [..., V] (float32) of raw scores: softmax of the processed scores,
     or the one-hot argmax when greedy. Speculative steps sample and test with exactly these."""
     if sampling.greedy:
-        return jax.nn.one_hot(jnp.argmax(scores, axis=-1), scores.shape[-1], dtype=jnp.float32)
-    return jax.nn.softmax(process_logits(scores, sampling), axis=-1)
+        best = jnp.argmax(controlled(scores, sampling, past), axis=-1)
+        return jax.nn.one_hot(best, scores.shape[-1], dtype=jnp.float32)
+    return jax.nn.softmax(process_logits(scores, sampling, past), axis=-1)
 
 
 def row_keys(seed: jax.Array, prompt_id: jax.Array, sample_id: jax.Array, index: jax.Array) -> jax.Array:

@@ -4,7 +4,8 @@ speculative contrastive decoding (Yuan et al. 2311.08981), sharing one verify st
 One step, for every active row at once (n = the row's committed tokens, x_{n-1} the last of them):
 
 1. Draft: γ draft calls feed x_{n-1}, d_0, …, d_{γ-2} and sample d_i ~ q_i, where q_i is the draft's
-   distribution after exactly the processing (temperature, top-k, top-p; float32) used in the test.
+   distribution after exactly the processing (penalties over the row's tokens and the drafts before
+   it, temperature, top-k, top-p, min-p; float32) used in the test.
 2. Verify: one target call over the γ+1 tokens x_{n-1}, d_0 … d_{γ-1} gives p_0 … p_γ. For SCD the
    target is the contrastive distribution of the expert's logits and the amateur's logits at the
    same positions: the amateur's are the ones it drafted with (positions 0 … γ-1), and position γ
@@ -34,10 +35,19 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from jaxsr.decoding.contrast import Contrast, contrastive_scores
+from jaxsr.decoding.contrast import contrastive_scores
 from jaxsr.decoding.sampling import draw_from, probabilities, token_statistics
 from jaxsr.decoding.state import record
-from jaxsr.decoding.steps import ContrastiveDecoding, Method, PlainSampling, forward, keys_of
+from jaxsr.decoding.steps import (
+    ContrastiveDecoding,
+    Controls,
+    Method,
+    PlainSampling,
+    forward,
+    keys_of,
+    past_of,
+    vocab_of,
+)  # fmt: skip
 
 # -- the acceptance rule, as pure functions of distributions -----------------------------------------
 
@@ -90,14 +100,14 @@ class SpeculativeDecoding(Method):
 
     @property
     def baseline(self) -> Method:
-        return PlainSampling(self.sampling)
+        return PlainSampling()
 
-    def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
-        # the target's log-softmax: it samples, filters and argmaxes exactly as its logits do
-        return jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
+    def scores(self, logits: tuple[jax.Array, ...], controls: Controls) -> jax.Array:
+        # the target's logits as they are: plain sampling's scores (a repetition penalty reads their sign)
+        return logits[0].astype(jnp.float32)
 
-    def step(self, graphs, params, state, prompts, contrast, pause_at):
-        g, sampling = self.gamma, self.sampling
+    def step(self, graphs, params, state, prompts, controls, pause_at):
+        g, sampling = self.gamma, controls.sampling
         B = state.tokens.shape[0]
         active = state.active(pause_at)
         index, last = state.last_tokens()
@@ -105,20 +115,24 @@ class SpeculativeDecoding(Method):
         keys = jax.vmap(lambda k: jax.random.split(k, 2 * g + 1))(keys_of(state))
         draft_keys, test_keys, final_keys = keys[:, :g], keys[:, g : 2 * g], keys[:, 2 * g]
 
-        def draft_one(carry, j):
-            rows, token = carry
-            z, rows = forward(graphs[1], params[1], token[:, None], (index + j)[:, None], prompts[1], rows)
-            q = probabilities(z[:, 0], sampling)
-            d = jax.vmap(draw_from)(draft_keys[:, j], q)
-            return (rows, d), (d, q, z[:, 0])
+        past = past_of(state, prompts[0], sampling, vocab_of(graphs[0], params[0]))
 
-        (draft_rows, _), (drafts, q, z_a) = jax.lax.scan(draft_one, (draft_rows, last), jnp.arange(g))
+        def draft_one(carry, j):
+            rows, token, seen = carry
+            z, rows = forward(graphs[1], params[1], token[:, None], (index + j)[:, None], prompts[1], rows)
+            q = probabilities(z[:, 0], sampling, seen)
+            d = jax.vmap(draw_from)(draft_keys[:, j], q)
+            return (rows, d, None if seen is None else seen.plus(d)), (d, q, z[:, 0])
+
+        carry = (draft_rows, last, past)
+        (draft_rows, _, _), (drafts, q, z_a) = jax.lax.scan(draft_one, carry, jnp.arange(g))
         drafts, q = drafts.T, q.transpose(1, 0, 2)
 
         fed = jnp.concatenate([last[:, None], drafts], axis=1)
         fed_index = index[:, None] + jnp.arange(g + 1)
         z_e, target_rows = forward(graphs[0], params[0], fed, fed_index, prompts[0], target_rows)
-        p = probabilities(self.scores((z_e[:, :g], z_a.transpose(1, 0, 2)), contrast), sampling)
+        before, after = (None, None) if past is None else past.along(drafts)
+        p = probabilities(self.scores((z_e[:, :g], z_a.transpose(1, 0, 2)), controls), sampling, before)
         u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(test_keys)
         a = accepted_count(p, q, drafts, u)
         kept_all = active & (a == g)
@@ -131,7 +145,7 @@ class SpeculativeDecoding(Method):
             return rows, jnp.zeros_like(z_e[:, g])
 
         draft_rows, z_a_bonus = jax.lax.cond(kept_all.any(), extra_draft_call, no_call, draft_rows)
-        p_bonus = probabilities(self.scores((z_e[:, g], z_a_bonus), contrast), sampling)
+        p_bonus = probabilities(self.scores((z_e[:, g], z_a_bonus), controls), sampling, after)
         token = jax.vmap(draw_from)(final_keys, next_distribution(p, q, p_bonus, a))
 
         padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -160,7 +174,7 @@ class SpeculativeContrastiveDecoding(SpeculativeDecoding):
 
     @property
     def baseline(self) -> Method:
-        return ContrastiveDecoding(self.sampling)
+        return ContrastiveDecoding()
 
-    def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
-        return contrastive_scores(logits[0], logits[1], contrast)
+    def scores(self, logits: tuple[jax.Array, ...], controls: Controls) -> jax.Array:
+        return contrastive_scores(logits[0], logits[1], controls.contrast)

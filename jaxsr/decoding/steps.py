@@ -3,8 +3,9 @@
 
 A `Method` is a frozen, hashable dataclass (a static argument of the jitted programs in `loop`). It
 runs `num_models` models (the target first: the model sampled from, or the expert), scores the next
-token from their logits (`scores`), and advances a `DecodeState` by one step (`step`). Contrast weights
-are traced data passed beside it, so α/β sweeps compile nothing new.
+token from their logits (`scores`), and advances a `DecodeState` by one step (`step`). How it samples
+and the contrast weights are traced data passed beside it (`Controls`), so temperature, top-p, penalty
+and α/β sweeps compile nothing new.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from jaxsr.decoding.contrast import Contrast, contrastive_scores
-from jaxsr.decoding.sampling import SamplingConfig, draw, row_keys, token_statistics
+from jaxsr.decoding.sampling import History, Sampling, draw, history, row_keys, token_statistics
 from jaxsr.decoding.state import DecodeState, record
 from jaxsr.models.cache import PromptCache, RowCache
 
@@ -27,12 +28,20 @@ Params = tuple[nnx.State, ...]
 PromptCaches = tuple[PromptCache, ...]
 
 
+@struct.dataclass
+class Controls:
+    """What a step takes beside the state, traced: how to sample (`SamplingConfig.compiled`) and the
+    contrast weights of contrastive methods (else None)."""
+
+    sampling: Sampling
+    contrast: Contrast | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
     """How a sampler commits tokens. Subclasses set `num_models` and `roles` (the `token_forwards`
     keys of its models) and implement `scores` and `step`."""
 
-    sampling: SamplingConfig = SamplingConfig()
     num_models: ClassVar[int] = 1
     roles: ClassVar[tuple[str, ...]] = ("generator",)
 
@@ -46,11 +55,9 @@ class Method:
         """The method whose distribution this one reproduces one token per step (itself here)."""
         return self
 
-    def with_sampling(self, sampling: SamplingConfig) -> Method:
-        return dataclasses.replace(self, sampling=sampling)
-
-    def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
-        """Raw scores [..., V] of the next token from each model's logits at the same positions."""
+    def scores(self, logits: tuple[jax.Array, ...], controls: Controls) -> jax.Array:
+        """Raw scores [..., V] of the next token from each model's logits at the same positions (the
+        sampling's penalties and filters apply to them afterwards)."""
         raise NotImplementedError
 
     def step(
@@ -59,13 +66,13 @@ class Method:
         params: Params,
         state: DecodeState,
         prompts: PromptCaches,
-        contrast: Contrast | None,
+        controls: Controls,
         pause_at: jax.Array | int,
     ) -> DecodeState:
         """Advance every active row short of `pause_at` tokens (pure: no host sync)."""
         raise NotImplementedError
 
-    def advance(self, graphs, params, state, prompts, contrast, pause_at) -> tuple[DecodeState, tuple]:
+    def advance(self, graphs, params, state, prompts, controls, pause_at) -> tuple[DecodeState, tuple]:
         """`step`, also returning each model's logits [B, V] at the position its token was drawn from
         (what an observer of the loop records): methods that commit one token per step."""
         raise TypeError(f"{type(self).__name__} commits several tokens per step: no logits to observe")
@@ -98,17 +105,32 @@ def keys_of(state: DecodeState) -> jax.Array:
     return row_keys(state.seed, state.prompt_id, state.sample_id, state.num_generated)
 
 
+def vocab_of(graph: nnx.GraphDef, params: nnx.State) -> int:
+    """The vocabulary size of a model's logits (its config's; static)."""
+    return nnx.merge(graph, params).config.vocab_size
+
+
+def past_of(state: DecodeState, prompt: PromptCache, sampling: Sampling, vocab: int) -> History | None:
+    """What the sampling's penalties read of each row before its next token: its generated tokens and
+    its prompt's (`prompt`: the target's cache, rows grouped by prompt). None without penalties."""
+    if not sampling.form.penalties:
+        return None
+    G = state.tokens.shape[0] // prompt.num_prompts
+    ids = jnp.repeat(jnp.where(prompt.mask, prompt.tokens, -1), G, axis=0)
+    return history(sampling, state.tokens, state.num_generated, ids, vocab)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlainSampling(Method):
-    """Plain sampling: one token per step from the target's logits (after `sampling`'s processing)."""
+    """Plain sampling: one token per step from the target's logits (after the sampling's processing)."""
 
-    def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
+    def scores(self, logits: tuple[jax.Array, ...], controls: Controls) -> jax.Array:
         return logits[0]
 
-    def step(self, graphs, params, state, prompts, contrast, pause_at):
-        return self.advance(graphs, params, state, prompts, contrast, pause_at)[0]
+    def step(self, graphs, params, state, prompts, controls, pause_at):
+        return self.advance(graphs, params, state, prompts, controls, pause_at)[0]
 
-    def advance(self, graphs, params, state, prompts, contrast, pause_at):
+    def advance(self, graphs, params, state, prompts, controls, pause_at):
         active = state.active(pause_at)
         index, last = state.last_tokens()
         outputs = [
@@ -116,7 +138,8 @@ class PlainSampling(Method):
             for g, p, prompt, rows in zip(graphs, params, prompts, state.rows, strict=True)
         ]
         logits = tuple(z[:, 0] for z, _ in outputs)
-        tokens = draw(keys_of(state), self.scores(logits, contrast), self.sampling)
+        past = past_of(state, prompts[0], controls.sampling, logits[0].shape[-1])
+        tokens = draw(keys_of(state), self.scores(logits, controls), controls.sampling, past)
         state = record(state, tokens, token_statistics(logits[0], tokens), active)
         state = state.with_rows(tuple(rows for _, rows in outputs))
         state = state.replace(
@@ -133,5 +156,5 @@ class ContrastiveDecoding(PlainSampling):
     num_models: ClassVar[int] = 2
     roles: ClassVar[tuple[str, ...]] = ("expert", "amateur")
 
-    def scores(self, logits: tuple[jax.Array, ...], contrast: Contrast | None) -> jax.Array:
-        return contrastive_scores(logits[0], logits[1], contrast)
+    def scores(self, logits: tuple[jax.Array, ...], controls: Controls) -> jax.Array:
+        return contrastive_scores(logits[0], logits[1], controls.contrast)

@@ -11,6 +11,7 @@ from typing import Any
 
 from jaxsr.checks import user_path
 from jaxsr.configs import check_field_types, check_mesh_keys, content_fingerprint, load_config
+from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.config import check_kv_dtype, check_weights_dtype
 
 METHODS = (
@@ -44,6 +45,13 @@ SHARED_KEYS = frozenset(
         "temperature",
         "top_k",
         "top_p",
+        "min_p",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "penalize_prompt",
+        "forbidden_token_ids",
+        "stop_token_ids",
         "seed",
         "dtype",
         "kv_dtype",
@@ -76,6 +84,13 @@ LATER_KEYS = (
     "branch",
     "layers",
     "weights_dtype",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "penalize_prompt",
+    "forbidden_token_ids",
+    "stop_token_ids",
 )
 """Keys added after job files existed: at their defaults they leave a job's fingerprint as it was, so
 the output of a job started before them still resumes."""
@@ -112,6 +127,16 @@ class JobConfig:
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalize_prompt: bool = True
+    """Whether `repetition_penalty` counts the prompt's tokens too (as transformers and vLLM do)."""
+    forbidden_token_ids: list[int] | None = None
+    """Token ids never drawn."""
+    stop_token_ids: list[int] | None = None
+    """Ids that end a response besides the model's EOS ids."""
     num_samples: int = 1
     max_rows: int | None = None
     """Rows decoded together (generate and two-model methods; None: 64 a `data` shard)."""
@@ -195,6 +220,7 @@ class JobConfig:
             raise ValueError(f"rule: expected one of {RULES}, got {self.rule!r}")
         if self.min_keep not in (0, 1):
             raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {self.min_keep}")
+        self.sampling()
         check_kv_dtype(self.kv_dtype)
         check_weights_dtype(self.weights_dtype)
         check_mesh_keys(self)
@@ -207,6 +233,20 @@ class JobConfig:
                     + (f" with decoder={self.decoder}" if self.decoder else "")
                     + f" does not use it (it uses {', '.join(sorted(used - SHARED_KEYS))})"
                 )
+
+    def sampling(self) -> SamplingConfig:
+        """How the job draws tokens (a bad value refused naming its key)."""
+        return SamplingConfig(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            penalize_prompt=self.penalize_prompt,
+            forbidden_token_ids=tuple(self.forbidden_token_ids or ()),
+        )
 
     def _check_needs(self) -> None:
         """Refuse, from the config alone, a method missing what it needs: before the data is read, a

@@ -20,7 +20,6 @@ from jaxsr.decoding.api import (
 )
 from jaxsr.decoding.driver import Sampler, as_sampler, default_rows
 from jaxsr.decoding.inputs import Options, prepare
-from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.loading.resolve import mesh_from_keys, resolve_model, resolve_reward
 from jaxsr.models.model import Model
@@ -84,8 +83,11 @@ def build_solver(config: JobConfig) -> Solver:
     model = load_decoder(config, "model", mesh)
     models: tuple[Model, ...] = (model,)
     reward: Reward | None = None
-    sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
-    common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat)
+    sampling = config.sampling()
+    common = dict(
+        max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat,
+        stop_token_ids=tuple(config.stop_token_ids or ()),
+    )  # fmt: skip
     if config.method == "generate":
         sampler = as_sampler(model, sampling)
         run: Callable[..., list] = lambda prompts, **kw: generate(

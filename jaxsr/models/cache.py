@@ -97,11 +97,15 @@ class PromptCache:
     """[prompts] int32, number of real prompt tokens (the position of the first generated token)."""
     k_scale: Layers = ()
     v_scale: Layers = ()
+    tokens: jax.Array | None = None
+    """[prompts, S] int32 ids the cache holds (what a repetition penalty over the prompt reads)."""
 
     @classmethod
-    def of_layers(cls, layers: list[KV], mask: jax.Array) -> PromptCache:
-        """The cache of prompts `mask` [prompts, S] whose layers hold `layers`."""
-        return cls(**_layers(layers), mask=mask, length=mask.sum(-1).astype(jnp.int32))
+    def of_layers(cls, layers: list[KV], mask: jax.Array, tokens: jax.Array) -> PromptCache:
+        """The cache of prompts `tokens` [prompts, S] (`mask`: False on padding) whose layers hold
+        `layers`."""
+        length = mask.sum(-1).astype(jnp.int32)
+        return cls(**_layers(layers), mask=mask, length=length, tokens=tokens.astype(jnp.int32))
 
     @property
     def num_prompts(self) -> int:

@@ -282,7 +282,7 @@ class Decoder(nnx.Module):
             segment = Segment.of(kv, local if self.config.is_windowed(layer) else visible)
             x = self._finish_block(block, x, self._attend(q, [segment]))
             layers.append(kv)
-        return self.final_norm(x), PromptCache.of_layers(layers, mask)
+        return self.final_norm(x), PromptCache.of_layers(layers, mask, tokens)
 
     def decode(
         self, tokens: jax.Array, positions: jax.Array, prompt: PromptCache, rows: RowCache

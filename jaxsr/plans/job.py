@@ -12,7 +12,6 @@ from jax.sharding import Mesh
 
 from jaxsr.checks import is_int
 from jaxsr.decoding.driver import Sampler, as_sampler, batches, default_rows
-from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.jobs.methods import DECODER_BUILDERS
 from jaxsr.ladder import bucket, fine_bucket
@@ -164,7 +163,7 @@ def job_sampler(config: JobConfig, mesh: Mesh, layers: int | None) -> Sampler:
     ).with_kv_dtype(config.kv_dtype)
     model = decoder("model")
     kind = PAIR_METHODS.get(config.method, config.decoder)
-    sampling = SamplingConfig(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p)
+    sampling = config.sampling()
     if kind is None:
         return as_sampler(model, sampling)
     draft = decoder("draft")

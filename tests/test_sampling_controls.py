@@ -1,0 +1,216 @@
+"""Sampling controls: repetition, frequency and presence penalties, forbidden ids and min-p, in every
+method; their values traced, so a sweep compiles one program; `jaxsr.generate` over any sampler.
+
+Penalties are checked token for token against transformers' `generate` (the repetition penalty) and a
+plain-Python greedy loop over the PyTorch model's full forward passes (vLLM's frequency and presence
+penalties), on tiny random Llama, Qwen2 and Gemma 2 checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import hf_fixtures
+import numpy as np
+import pytest
+import torch
+from compiles import compilations
+from tiny import tiny_model
+
+import jaxsr
+from jaxsr.cli import main
+from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.decoding.steps import PlainSampling
+
+PROMPTS = [[5, 9, 12, 5, 7, 9, 3], [40, 41, 40, 41, 40, 8, 8, 60], [17]]
+STEPS = 16
+
+
+@pytest.fixture(scope="module", params=["llama2", "qwen2", "gemma2"])
+def pair(request, tmp_path_factory):
+    """(our model, the PyTorch model) of one tiny random checkpoint."""
+    directory, torch_model = hf_fixtures.checkpoint(request.param, tmp_path_factory)
+    return jaxsr.load_model(str(directory)), torch_model
+
+
+def ours(lm, prompt: list[int], sampling: SamplingConfig) -> list[int]:
+    """Our greedy tokens, the stop token they ended on included."""
+    [result] = jaxsr.generate(lm, [prompt], max_new_tokens=STEPS, sampling=sampling)
+    sample = result.samples[0]
+    return sample.token_ids + ([sample.stop_token] if sample.finished else [])
+
+
+def reference_greedy(model, prompt: list[int], eos: tuple[int, ...], config: SamplingConfig) -> list[int]:
+    """Greedy decoding in plain Python over full forward passes, the penalties as vLLM defines them:
+    repetition over the prompt and the output (divide a positive logit, multiply a negative one), then
+    frequency × count and presence × (count > 0) over the output."""
+    out: list[int] = []
+    for _ in range(STEPS):
+        with torch.no_grad():
+            z = model(torch.tensor([prompt + out])).logits[0, -1].double().numpy()
+        counts = np.bincount(out, minlength=z.shape[0])
+        seen = counts > 0
+        if config.penalize_prompt:
+            seen[prompt] = True
+        rate = config.repetition_penalty
+        z = np.where(seen, np.where(z > 0, z / rate, z * rate), z)
+        z = z - config.frequency_penalty * counts - config.presence_penalty * (counts > 0)
+        z[list(config.forbidden_token_ids)] = -np.inf
+        out.append(int(np.argmax(z)))
+        if out[-1] in eos:
+            break
+    return out
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.8])
+def test_greedy_tokens_with_a_repetition_penalty_are_transformers(pair, penalty):
+    lm, model = pair
+    config = SamplingConfig(temperature=0, repetition_penalty=penalty)
+    for prompt in PROMPTS:
+        generated = model.generate(
+            torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False, repetition_penalty=penalty,
+            eos_token_id=list(lm.eos_token_ids), pad_token_id=0,
+        )[0, len(prompt):].tolist()  # fmt: skip
+        mine = ours(lm, prompt, config)
+        assert mine == generated[: len(mine)], prompt
+        assert len(mine) == STEPS or mine[-1] in lm.eos_token_ids
+
+
+HELD_OUT = [
+    SamplingConfig(temperature=0, frequency_penalty=0.7),
+    SamplingConfig(temperature=0, presence_penalty=1.5),
+    SamplingConfig(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3),
+    SamplingConfig(temperature=0, repetition_penalty=2.0, penalize_prompt=False),
+    SamplingConfig(temperature=0, presence_penalty=-0.5, forbidden_token_ids=(3, 11)),
+]
+
+
+@pytest.mark.parametrize("config", HELD_OUT, ids=range(len(HELD_OUT)))
+def test_greedy_tokens_with_penalties_are_the_plain_python_ones(pair, config):
+    lm, model = pair
+    for prompt in PROMPTS:
+        assert ours(lm, prompt, config) == reference_greedy(model, prompt, lm.eos_token_ids, config), prompt
+
+
+def test_the_penalties_change_what_greedy_decoding_picks(pair):
+    """A control of the tests above: on these prompts the penalties change the tokens."""
+    lm, _ = pair
+    plain = [ours(lm, p, SamplingConfig(temperature=0)) for p in PROMPTS]
+    for config in HELD_OUT[:3]:
+        assert [ours(lm, p, config) for p in PROMPTS] != plain
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model(seed=0, eos_token_ids=(3,))
+
+
+def test_forbidden_ids_are_never_drawn(lm):
+    sampling = SamplingConfig(temperature=1.5, top_k=0, forbidden_token_ids=(4, 7, 9))
+    [result] = jaxsr.generate(lm, [[1, 2]], max_new_tokens=24, num_samples=64, sampling=sampling)
+    drawn = {t for s in result.samples for t in s.token_ids}
+    assert not drawn & {4, 7, 9} and len(drawn) > 10
+
+
+SWEEPS = {
+    "temperature": [SamplingConfig(temperature=t, top_k=20) for t in (0.5, 0.7, 0.9, 1.2, 1.6)],
+    "top_p": [SamplingConfig(top_p=p, top_k=0) for p in (0.5, 0.6, 0.7, 0.8, 0.95)],
+    "min_p": [SamplingConfig(min_p=p) for p in (0.01, 0.05, 0.1, 0.2, 0.3)],
+    "penalties": [
+        SamplingConfig(repetition_penalty=r, frequency_penalty=f, presence_penalty=p)
+        for r, f, p in ((1.1, 0.1, 0.0), (1.2, 0.2, 0.1), (0.9, 0.0, 0.3), (1.5, 0.5, 0.5), (2.0, 1.0, 1.0))
+    ],
+}
+
+
+@pytest.mark.parametrize("sweep", list(SWEEPS))
+def test_a_sweep_of_five_values_compiles_one_program(lm, sweep):
+    """Values are traced: the first setting compiles (or finds) the programs, the other four reuse them
+    and still sample differently."""
+    kwargs = dict(max_new_tokens=20, num_samples=5, seed=1)
+    configs = SWEEPS[sweep]
+    with compilations() as first:
+        results = [jaxsr.generate(lm, [[1, 2, 3]], sampling=configs[0], **kwargs)]
+    with compilations() as names:
+        results += [jaxsr.generate(lm, [[1, 2, 3]], sampling=c, **kwargs) for c in configs[1:]]
+    assert names == [], names
+    assert len({str([s.token_ids for s in r[0].samples]) for r in results}) > 1
+    assert first.count("decode_loop") <= 1
+
+
+def test_generate_takes_a_speculative_decoder_and_its_greedy_tokens_are_the_targets(lm):
+    draft = tiny_model(seed=5, eos_token_ids=(3,))
+    sampling = SamplingConfig(temperature=0, repetition_penalty=1.4, presence_penalty=0.5)
+    kwargs = dict(max_new_tokens=16, sampling=sampling)
+    plain = jaxsr.generate(lm, PROMPTS, **kwargs)
+    speculative = jaxsr.generate(jaxsr.speculative_decoder(lm, draft, gamma=3), PROMPTS, **kwargs)
+    for a, b in zip(plain, speculative, strict=True):
+        assert a.samples[0].token_ids == b.samples[0].token_ids
+    assert "acceptance_rate" in speculative[0].stats
+
+
+def test_generate_refuses_what_is_not_a_model_or_a_sampler():
+    with pytest.raises(TypeError, match=r"model: expected a jaxsr\.Model"):
+        jaxsr.generate("smollm2", ["hi"], max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(min_p=1.5), "min_p: expected a value in"),
+        (dict(repetition_penalty=0.0), "repetition_penalty: expected a value > 0"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(forbidden_token_ids=(-1,)), "forbidden_token_ids: token ids are >= 0"),
+        (dict(forbidden_token_ids="12"), "forbidden_token_ids: expected a sequence"),
+        (dict(penalize_prompt=1), "penalize_prompt: expected a bool"),
+    ],
+)
+def test_bad_controls_are_refused_naming_them(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        SamplingConfig(**kwargs)
+
+
+def test_a_job_samples_with_the_controls_the_api_does(tmp_path):
+    directory = hf_fixtures.build_llama_with_tokenizer(
+        "LlamaForCausalLM", hf_fixtures.byte_tokenizer(), tmp_path / "llama", 31
+    )
+    data, output = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts = ["Name a color.", "Say hi."]
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    keys = dict(
+        max_new_tokens=12, temperature=0.9, top_k=0, min_p=0.05, repetition_penalty=1.3,
+        frequency_penalty=0.2, presence_penalty=0.1,
+    )  # fmt: skip
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        f"model: {directory}\ndata: {data}\noutput: {output}\nforbidden_token_ids: [101, 102]\n"
+        "stop_token_ids: [46]\n" + "".join(f"{k}: {v}\n" for k, v in keys.items())
+    )
+    assert main(["run", str(config), "--no-progress"]) == 0
+    records = sorted((json.loads(line) for line in output.read_text().splitlines()), key=lambda r: r["index"])
+    lm = jaxsr.load_model(str(directory))
+    del keys["max_new_tokens"]
+    sampling = SamplingConfig(**keys, forbidden_token_ids=(101, 102))
+    api = jaxsr.generate(lm, prompts, max_new_tokens=12, sampling=sampling, stop_token_ids=[46])
+    for record, result in zip(records, api, strict=True):
+        assert record["samples"][0]["token_ids"] == result.samples[0].token_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Favour(PlainSampling):
+    """A method of one's own: the target's logits with one token made near certain."""
+
+    token: int = 6
+
+    def scores(self, logits, controls):
+        return logits[0].at[..., self.token].add(1e4)
+
+
+def test_a_method_of_ones_own_samples_in_generate_and_the_searches(lm):
+    sampler = jaxsr.Sampler((lm,), Favour())
+    [plain] = jaxsr.generate(sampler, [[1, 2]], max_new_tokens=8, num_samples=4)
+    assert all(s.token_ids == [6] * 8 for s in plain.samples)
+    [best] = jaxsr.best_of_n(sampler, jaxsr.rewards.SelfLikelihood(), [[1, 2]], n=4, max_new_tokens=8)
+    assert best.best.token_ids == [6] * 8
+    with pytest.raises(TypeError, match="forbidden_token_ids"):
+        SamplingConfig(forbidden_token_ids=6)
