@@ -24,6 +24,9 @@ class Sample:
     certainty: float | None = None
     """Sum over the positions `logprob` covers of the generator's self-certainty, KL(uniform ‖ p) of its
     raw next-token distribution (`rewards.SelfCertainty` reads its mean)."""
+    stop_string: str | None = None
+    """The stop string it ended on (its text is cut before it; `token_ids` keep the tokens that
+    spelled it), None when it did not."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -121,7 +121,11 @@ def decode_prompts(
     if isinstance(sampler.method, SpeculativeDecoding):
         stats = speculative_stats(sampler, request, run, num_samples, max_rows, baseline, measure_cost)
     return [
-        Result(prompt=prompt, samples=samples_of(sampler.target, rows), stats={"wall_s": wall, **st})
+        Result(
+            prompt=prompt,
+            samples=samples_of(sampler.target, rows, request.stop),
+            stats={"wall_s": wall, **st},
+        )
         for prompt, rows, st in zip(prompts, run.rows, stats, strict=True)
     ]
 
@@ -174,6 +178,7 @@ def generate(
     seed: int = 0,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
     max_rows: int | None = None,
     prompt_offset: int | Sequence[int] = 0,
 ) -> list[Result]:
@@ -183,7 +188,7 @@ def generate(
     `max_rows` bounds the rows decoded together (None: 64 a `data` shard); `prompt_offset` is the
     index of `prompts[0]` in a larger job, or a list of each prompt's index, so split, reordered or
     resumed jobs draw the same random streams as one whole call."""
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     return decode_prompts(
         as_sampler(model, sampling), prompts, options, num_samples=num_samples, max_rows=max_rows
     )
@@ -204,6 +209,7 @@ def contrastive_decode(
     tau: float = 1.0,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
     max_rows: int | None = None,
     prompt_offset: int | Sequence[int] = 0,
 ) -> list[Result]:
@@ -212,7 +218,7 @@ def contrastive_decode(
     expert's tokenizer and stop on the expert's EOS ids (plus `stop_token_ids`). `Sample.logprob` is the
     expert's own log-probability of the tokens; `stats["token_forwards"]` has "expert" and "amateur"."""
     sampler = contrastive_decoder(expert, amateur, alpha=alpha, beta=beta, contrast=contrast, tau=tau)
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     return decode_prompts(sampler, prompts, options, num_samples=num_samples, max_rows=max_rows)
 
 
@@ -228,6 +234,7 @@ def speculative_decode(
     seed: int = 0,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
     max_rows: int | None = None,
     prompt_offset: int | Sequence[int] = 0,
     baseline: bool = False,
@@ -244,7 +251,7 @@ def speculative_decode(
     `token_forwards` has "generator" (the target) and "draft". Prompts are encoded with the target's
     tokenizer and stop on its EOS ids."""
     sampler = speculative_decoder(target, draft, gamma=gamma)
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     return decode_prompts(
         sampler, prompts, options, num_samples=num_samples, max_rows=max_rows,
         baseline=baseline, measure_cost=measure_cost,
@@ -267,6 +274,7 @@ def speculative_contrastive_decode(
     tau: float = 1.0,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
     max_rows: int | None = None,
     prompt_offset: int | Sequence[int] = 0,
     baseline: bool = False,
@@ -279,7 +287,7 @@ def speculative_contrastive_decode(
     sampler = speculative_contrastive_decoder(
         expert, amateur, gamma=gamma, alpha=alpha, beta=beta, contrast=contrast, tau=tau
     )
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     return decode_prompts(
         sampler, prompts, options, num_samples=num_samples, max_rows=max_rows,
         baseline=baseline, measure_cost=measure_cost,

@@ -21,11 +21,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxsr import text
-from jaxsr.decoding import loop
+from jaxsr.decoding import loop, stops
 from jaxsr.decoding.contrast import Contrast
 from jaxsr.decoding.inputs import Request, check_language_model
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.decoding.state import DecodeState, compact, concat_rows, response, take_rows, to_host
+from jaxsr.decoding.state import DecodeState, compact, concat_rows, response, stop_token, take_rows, to_host
 from jaxsr.decoding.steps import Controls, Method, PlainSampling
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
@@ -41,15 +41,17 @@ DEFAULT_MAX_ROWS = 64
 class Sampler:
     """Models decoding as one: `models[0]` is the target (the model sampled from, or the expert; its
     tokenizer, EOS ids and log-probabilities are the samples'), the others are what `method` runs
-    beside it (a draft or an amateur, sharing its vocabulary). Build one with `jaxsr.speculative_decoder`,
-    `contrastive_decoder`, `speculative_contrastive_decoder`, or `as_sampler(model)` for plain sampling."""
+    beside it (a draft or an amateur, sharing its vocabulary), drawing tokens as `sampling` says. Build
+    one with `jaxsr.speculative_decoder`, `contrastive_decoder`, `speculative_contrastive_decoder`,
+    `as_sampler(model)` for plain sampling, or `Sampler((model,), YourMethod())`."""
 
     models: tuple[Model, ...]
     method: Method
     contrast: Contrast | None = None
     """Traced contrast weights (contrastive methods), else None."""
     sampling: SamplingConfig = SamplingConfig()
-    """How tokens are drawn; its values reach the programs traced (`controls`)."""
+    """How tokens are drawn; its values reach the programs traced (`controls`). The entry points
+    (`jaxsr.generate`, the searches) set it from their own `sampling` argument."""
 
     @property
     def controls(self) -> Controls:
@@ -248,6 +250,7 @@ class Layout:
             alive=jnp.asarray(real & (sample_ids < num_samples)),
             max_new_tokens=jnp.full((P * G,), request.max_new_tokens, jnp.int32),
             stop_ids=jnp.asarray(stop_id_matrix(model, P * G, request.stop_token_ids)),
+            stops=request.stops,
         )
 
 
@@ -276,11 +279,12 @@ def layouts_of(indices: tuple[int, ...], num_samples: int, G: int, mesh: Mesh | 
     return [Layout(indices, P, R, G, first, num_samples) for first in range(0, num_samples, G)]
 
 
-def samples_of(model: Model, host: DecodeState) -> list[Sample]:
+def samples_of(model: Model, host: DecodeState, stop: Sequence[str] = ()) -> list[Sample]:
     """`Sample`s of every row of `host` (a decoded batch's rows on the host, `state.to_host`), texts
-    decoded with `model`'s tokenizer in one batch; unscored (`search.candidates.score_samples`)."""
+    decoded with `model`'s tokenizer in one batch and cut before the first of the `stop` strings;
+    unscored (`search.candidates.score_samples`)."""
     responses = [response(host, r) for r in range(len(host.alive))]
-    texts = text.decode_batch(model.tokenizer, responses)
+    texts = [stops.cut(t, stop) for t in text.decode_batch(model.tokenizer, responses)]
     return [
         Sample(
             token_ids=ids,
@@ -288,10 +292,11 @@ def samples_of(model: Model, host: DecodeState) -> list[Sample]:
             finished=bool(host.finished[r]),
             logprob=float(host.logprob_sum[r]),
             index=int(host.sample_id[r]),
-            stop_token=int(host.tokens[r, host.num_generated[r] - 1]) if host.finished[r] else None,
+            stop_token=stop_token(host, r),
             certainty=float(host.certainty_sum[r]),
+            stop_string=found,
         )
-        for r, (ids, t) in enumerate(zip(responses, texts, strict=True))
+        for r, (ids, (t, found)) in enumerate(zip(responses, texts, strict=True))
     ]
 
 

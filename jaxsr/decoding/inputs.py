@@ -16,6 +16,7 @@ import numpy as np
 from jaxsr import text
 from jaxsr.checks import check_int, check_positive_int, check_seed, check_unicode, is_int
 from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.decoding.stops import StopStrings, stop_strings
 from jaxsr.models.model import Model
 
 MAX_PROMPT_ID = 2**30  # prompt ids are int32 on device; a job of any size stays far below
@@ -33,6 +34,10 @@ class Request:
     stop_token_ids: tuple[int, ...]
     prompt_ids: tuple[int, ...]
     """Each prompt's index in its job (its random stream's): split or resumed jobs draw the same."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a response (its text cut before them)."""
+    stops: StopStrings | None = None
+    """`stop` as the device looks for it in generated text."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,8 @@ class Options:
     prompt_offset: Any = 0
     """Index of `prompts[0]` in a larger job, or a list of each prompt's index: split, reordered or
     resumed jobs draw the same random streams."""
+    stop: Any = ()
+    """Strings whose appearance in a response's text ends it (vLLM's stop strings)."""
 
 
 def prepare(models: Sequence[Model], prompts: Any, options: Options) -> Request:
@@ -60,9 +67,12 @@ def prepare(models: Sequence[Model], prompts: Any, options: Options) -> Request:
     encoded = encode_prompts(target, prompts, chat=options.chat)
     for model in models:
         check_context(model, encoded, max_new_tokens)
-    stops = check_stop_ids(target, options.stop_token_ids)
+    stop_ids = check_stop_ids(target, options.stop_token_ids)
+    check_token_ids("forbidden_token_ids", target, sampling.forbidden_token_ids)
     ids = check_prompt_ids(options.prompt_offset, len(encoded))
-    return Request(prompts, encoded, max_new_tokens, sampling, seed, tuple(stops), ids)
+    strings = stop_strings(target.tokenizer, target.config.vocab_size, options.stop)
+    stop = () if strings is None else tuple(options.stop)
+    return Request(prompts, encoded, max_new_tokens, sampling, seed, tuple(stop_ids), ids, stop, strings)
 
 
 def check_sampling(sampling: Any) -> SamplingConfig:
@@ -195,11 +205,16 @@ def check_stop_ids(model: Model, stop_token_ids: Any) -> list[int]:
         or (isinstance(stop_token_ids, np.ndarray) and stop_token_ids.ndim != 1)
     ):
         raise TypeError(f"stop_token_ids: expected a sequence of token ids, got {stop_token_ids!r}")
-    vocab = model.config.vocab_size
-    for i in stop_token_ids:
-        if not is_int(i) or not 0 <= i < vocab:
-            raise ValueError(f"stop_token_ids: expected token ids in [0, {vocab}), got {i!r}")
+    check_token_ids("stop_token_ids", model, stop_token_ids)
     return [int(i) for i in stop_token_ids]
+
+
+def check_token_ids(name: str, model: Model, ids: Sequence[Any]) -> None:
+    """Every entry of `ids` is a token id of `model`."""
+    vocab = model.config.vocab_size
+    for i in ids:
+        if not is_int(i) or not 0 <= i < vocab:
+            raise ValueError(f"{name}: expected token ids in [0, {vocab}), got {i!r}")
 
 
 def check_prompt_ids(prompt_offset: Any, count: int) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from jaxsr.decoding import stops
 from jaxsr.decoding.sampling import draw, token_statistics
 from jaxsr.decoding.state import DecodeState, pin, record
 from jaxsr.decoding.steps import Controls, Graphs, Method, Params, PromptCaches, keys_of, past_of
@@ -55,6 +56,8 @@ class NewRows:
     """[B] int32 per-row token budget."""
     stop_ids: jax.Array
     """[B, S] int32 ids that finish a row (-1 pads)."""
+    stops: Any = None
+    """The stop strings that finish a row (`stops.StopStrings`), None without any."""
 
 
 @partial(jax.jit, static_argnames=("method", "capacity", "cache_capacity"))
@@ -97,6 +100,8 @@ def init_state(
         target_calls=zeros,
         accepted=zeros,
         tested=zeros,
+        stops=new.stops,
+        tail=None if new.stops is None else stops.initial_tail(new.stops, B),
     )
     logits = tuple(jnp.repeat(z, G, axis=0) for z in last_logits)
     past = past_of(state, prompts[0], controls.sampling, logits[0].shape[-1])

@@ -33,7 +33,8 @@ class SamplingConfig:
     `repetition_penalty` divides a positive score (multiplies a negative one) of every token the row
     generated or, with `penalize_prompt`, its prompt holds; `frequency_penalty` subtracts per time a
     token was generated, `presence_penalty` once if it was. `forbidden_token_ids` are never drawn.
-    Hashable; equal configs give equal programs, and configs differing only in values share one."""
+    Hashable; configs that differ only in the values of the filters and penalties they turn on share one
+    compiled program (`compiled`: a value at its off setting turns its step off, another program)."""
 
     temperature: float = 1.0
     top_k: int = 50
@@ -47,14 +48,7 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         # NumPy scalars become their Python twins: equal configs then hash alike
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "frequency_penalty",
-            "presence_penalty",
-        ):
+        for name in VALUES:
             object.__setattr__(self, name, check_number(name, getattr(self, name)))
         object.__setattr__(self, "top_k", check_int("top_k", self.top_k))
         if not isinstance(self.penalize_prompt, bool):
@@ -86,14 +80,15 @@ class SamplingConfig:
 
     def compiled(self) -> Sampling:
         """This config as programs take it: its form static, its values traced float32 scalars."""
-        form = Form(
+        sampled, repetition = not self.greedy, self.repetition_penalty != 1.0
+        form = Form(  # what a step does not run is left out, so that it splits no programs
             greedy=self.greedy,
-            top_k=self.top_k,
-            top_p=self.top_p < 1.0,
-            min_p=self.min_p > 0.0,
-            repetition=self.repetition_penalty != 1.0,
+            top_k=self.top_k if sampled else 0,
+            top_p=sampled and self.top_p < 1.0,
+            min_p=sampled and self.min_p > 0.0,
+            repetition=repetition,
             additive=self.frequency_penalty != 0.0 or self.presence_penalty != 0.0,
-            penalize_prompt=self.penalize_prompt,
+            penalize_prompt=repetition and self.penalize_prompt,
             forbidden=self.forbidden_token_ids,
         )
         values = {name: np.float32(getattr(self, name)) for name in VALUES}  # uncommitted: any device

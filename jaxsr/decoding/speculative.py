@@ -102,9 +102,7 @@ class SpeculativeDecoding(Method):
     def baseline(self) -> Method:
         return PlainSampling()
 
-    def scores(self, logits: tuple[jax.Array, ...], controls: Controls) -> jax.Array:
-        # the target's logits as they are: plain sampling's scores (a repetition penalty reads their sign)
-        return logits[0].astype(jnp.float32)
+    scores = PlainSampling.scores  # the target's logits as they are (a repetition penalty reads their sign)
 
     def step(self, graphs, params, state, prompts, controls, pause_at):
         g, sampling = self.gamma, controls.sampling

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxsr.decoding import stops
 from jaxsr.models.cache import RowCache
 from jaxsr.sharding import constrain_rows, gather_rows
 
@@ -65,6 +66,11 @@ class DecodeState:
     """[B] int32 draft tokens put to the acceptance test (accepted + rejected)."""
     observation: Any = None
     """What a loop's observer records step by step (`loop.Observer`); None without one."""
+    stops: Any = None
+    """The call's stop strings (`stops.StopStrings`: token bytes and the strings), None without any."""
+    tail: jax.Array | None = None
+    """[B, window] int32 last bytes of each row's text, where stop strings are looked for (None
+    without stop strings)."""
 
     def active(self, pause_at: jax.Array | int) -> jax.Array:
         """[B] rows a step advances: not done and short of `pause_at` tokens."""
@@ -81,7 +87,7 @@ class DecodeState:
         return self.replace(rows=tuple(r.replace(length=length) for r in rows))
 
 
-SHARED = ("seed", "rows", "steps", "forwards", "observation")
+SHARED = ("seed", "rows", "steps", "forwards", "observation", "stops")
 """Fields that are not one entry per row: every other field of `DecodeState` is [B, ...]."""
 PER_ROW = tuple(f.name for f in dataclasses.fields(DecodeState) if f.name not in SHARED)
 
@@ -90,12 +96,16 @@ def record(
     state: DecodeState, tokens: jax.Array, statistics: tuple[jax.Array, jax.Array], active: jax.Array
 ) -> DecodeState:
     """Append `tokens` [B] to the active rows, add their (log-probability, certainty) `statistics`
-    ([B] each, `sampling.token_statistics`) and update their finished/done flags."""
+    ([B] each, `sampling.token_statistics`) and update their finished/done flags: a row finishes on a
+    stop id, or on a token that completes a stop string in its text."""
     logp, certainty = statistics
     B = tokens.shape[0]
     index = jnp.where(active, state.num_generated, state.tokens.shape[1])  # inactive: write dropped
     buffer = state.tokens.at[jnp.arange(B), index].set(tokens, mode="drop")
     stopped = active & (tokens[:, None] == state.stop_ids).any(-1)
+    if state.stops is not None:
+        tail, completed = stops.advance(state.stops, state.tail, tokens, active)
+        state, stopped = state.replace(tail=tail), stopped | completed
     num = state.num_generated + active
     finished = state.finished | stopped
     done = state.done | finished | (num >= state.max_new_tokens)
@@ -110,9 +120,10 @@ def record(
 
 
 def pin(state: DecodeState) -> DecodeState:
-    """Under a mesh (`jaxsr.sharding.on_mesh`), keep every row and its caches on its `data` shard."""
-    per_row = constrain_rows(state.replace(rows=None))
-    return per_row.replace(rows=tuple(r.constrained() for r in state.rows))
+    """Under a mesh (`jaxsr.sharding.on_mesh`), keep every row and its caches on its `data` shard (the
+    stop strings' tables stay as they are)."""
+    per_row = constrain_rows(state.replace(rows=None, stops=None))
+    return per_row.replace(rows=tuple(r.constrained() for r in state.rows), stops=state.stops)
 
 
 @partial(jax.jit, static_argnames=("cache_capacity",))
@@ -141,22 +152,35 @@ def compact(
 def take_rows(state: DecodeState, rows: Any) -> DecodeState:
     """The state's per-row fields at `rows` (an index array or a slice; on device or on the host), the
     shared fields (caches included) as they are."""
-    return state.replace(**{name: getattr(state, name)[rows] for name in PER_ROW})
+    return state.replace(**{name: _at(getattr(state, name), rows) for name in PER_ROW})
+
+
+def _at(field: Any, rows: Any) -> Any:
+    """A per-row field's `rows` (None, a field the state does not use, stays None)."""
+    return None if field is None else field[rows]
 
 
 def to_host(state: DecodeState) -> DecodeState:
     """The state without its caches, every field a numpy array on the host, in one transfer: what the
     host reads of a decoded batch (responses, counters, acceptance)."""
-    host = jax.device_get(state.replace(rows=(), observation=None))
+    host = jax.device_get(state.replace(rows=(), observation=None, stops=None))
     return host.replace(steps=int(host.steps))
 
 
 def response(host: DecodeState, row: int) -> list[int]:
-    """Row `row`'s generated tokens without its stop token (`host` from `to_host`)."""
-    return host.tokens[row, : int(host.num_generated[row]) - bool(host.finished[row])].tolist()
+    """Row `row`'s generated tokens without its stop token (`host` from `to_host`): a row that finished
+    on a stop string keeps the token that completed it (its text is cut instead)."""
+    return host.tokens[row, : int(host.num_generated[row]) - (stop_token(host, row) is not None)].tolist()
+
+
+def stop_token(host: DecodeState, row: int) -> int | None:
+    """The stop id row `row` finished on, None when it did not finish on one."""
+    last = int(host.tokens[row, max(int(host.num_generated[row]) - 1, 0)])
+    return last if host.finished[row] and last in host.stop_ids[row] else None
 
 
 def concat_rows(hosts: list[DecodeState]) -> DecodeState:
     """Host states' rows one after another (their token buffers of one width); counters the first's."""
     first = hosts[0]
-    return first.replace(**{name: np.concatenate([getattr(h, name) for h in hosts]) for name in PER_ROW})
+    fields = [name for name in PER_ROW if getattr(first, name) is not None]
+    return first.replace(**{name: np.concatenate([getattr(h, name) for h in hosts]) for name in fields})

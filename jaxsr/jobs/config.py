@@ -52,6 +52,7 @@ SHARED_KEYS = frozenset(
         "penalize_prompt",
         "forbidden_token_ids",
         "stop_token_ids",
+        "stop",
         "seed",
         "dtype",
         "kv_dtype",
@@ -91,6 +92,7 @@ LATER_KEYS = (
     "penalize_prompt",
     "forbidden_token_ids",
     "stop_token_ids",
+    "stop",
 )
 """Keys added after job files existed: at their defaults they leave a job's fingerprint as it was, so
 the output of a job started before them still resumes."""
@@ -137,6 +139,8 @@ class JobConfig:
     """Token ids never drawn."""
     stop_token_ids: list[int] | None = None
     """Ids that end a response besides the model's EOS ids."""
+    stop: list[str] | None = None
+    """Strings that end a response where its text shows one (the stored text cut before it)."""
     num_samples: int = 1
     max_rows: int | None = None
     """Rows decoded together (generate and two-model methods; None: 64 a `data` shard)."""
@@ -221,6 +225,8 @@ class JobConfig:
         if self.min_keep not in (0, 1):
             raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {self.min_keep}")
         self.sampling()
+        if "" in (self.stop or ()):
+            raise ValueError("stop: expected non-empty strings, got ''")
         check_kv_dtype(self.kv_dtype)
         check_weights_dtype(self.weights_dtype)
         check_mesh_keys(self)

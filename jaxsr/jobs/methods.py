@@ -86,7 +86,7 @@ def build_solver(config: JobConfig) -> Solver:
     sampling = config.sampling()
     common = dict(
         max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat,
-        stop_token_ids=tuple(config.stop_token_ids or ()),
+        stop_token_ids=tuple(config.stop_token_ids or ()), stop=tuple(config.stop or ()),
     )  # fmt: skip
     if config.method == "generate":
         sampler = as_sampler(model, sampling)

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxsr.checks import check_callback, check_positive_int, check_responses_fit
 from jaxsr.decoding.driver import Sampler, as_sampler, decode, default_rows, samples_of
-from jaxsr.decoding.inputs import Options, check_sampling, prepare
+from jaxsr.decoding.inputs import Options, Request, check_sampling, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.model import Model
 from jaxsr.results import Result
@@ -41,6 +41,7 @@ def best_of_n(
     memory_budget: int | str | None = None,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
     prompt_offset: int | Sequence[int] = 0,
     on_result: Callable[[int, Result], None] | None = None,
 ) -> list[Result]:
@@ -54,7 +55,7 @@ def best_of_n(
     reward = as_reward(reward)
     n = check_positive_int("n", n)
     check_callback("on_result", on_result)
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     request = prepare(sampler.models, prompts, options)
     check_reward(reward, sampler.target, prompts, request.encoded)
     lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens
@@ -67,7 +68,7 @@ def best_of_n(
     run = decode(sampler, request, num_samples=n, max_rows=max_rows)
     sample_s = time.perf_counter() - t0
     watch, before = Stopwatch(), reward.token_forwards
-    scored = score_rows(lm, reward, list(zip(prompts, encoded, run.rows, strict=True)), max_new_tokens)
+    scored = score_rows(lm, reward, list(zip(prompts, encoded, run.rows, strict=True)), request)
     scoring_s, compiled = watch.split()
     forwards, count = reward.token_forwards - before, len(encoded)
     results = []
@@ -84,18 +85,18 @@ def best_of_n(
     return results
 
 
-def score_rows(lm: Model, reward: Any, items: list[tuple[Any, list[int], Any]], max_new_tokens: int) -> list:
+def score_rows(lm: Model, reward: Any, items: list[tuple[Any, list[int], Any]], request: Request) -> list:
     """Each (prompt, ids, decoded rows)'s samples, scored: on device where the reward reads the
     generator's ids as it reads their text (per prompt: its template prefix), the others through their
     text, together in shared batches."""
-    samples = [samples_of(lm, rows) for _, _, rows in items]
+    samples = [samples_of(lm, rows, request.stop) for _, _, rows in items]
     by_text: list[tuple[int, np.ndarray]] = []
     for i, ((prompt, ids, _), mine) in enumerate(zip(items, samples, strict=True)):
-        scorer = token_scorer(lm, reward, prompt, max_new_tokens)
+        scorer = token_scorer(lm, reward, prompt, request.max_new_tokens)
         same = read_on_device(scorer, mine) if scorer is not None else np.zeros(len(mine), bool)
         if same.any():
             rows = np.flatnonzero(same)
-            on_device = score_ids(scorer, [mine[j].token_ids for j in rows], max_new_tokens)
+            on_device = score_ids(scorer, [mine[j].token_ids for j in rows], request.max_new_tokens)
             place(mine, rows, score_samples(lm, reward, prompt, ids, [mine[j] for j in rows], on_device))
         if not same.all():
             by_text.append((i, np.flatnonzero(~same)))

@@ -246,7 +246,7 @@ class PromptSearch:
     def round_samples(self) -> list[Sample]:
         """The round's live rows as unscored `Sample`s, in row order."""
         host = self._host
-        return samples_of(self.sampler.target, take_rows(host, np.flatnonzero(host.alive)))
+        return samples_of(self.sampler.target, take_rows(host, np.flatnonzero(host.alive)), self.request.stop)
 
     def decide(self) -> None:
         """A decision point: the policy's, and the survivors gathered into its batch — or the search
@@ -403,12 +403,13 @@ def stack(states: tuple[DecodeState, ...], prompts: tuple[tuple[PromptCache, ...
         return jnp.concatenate(xs, axis=0)
 
     first = states[0]
-    state = jax.tree.map(cat, *(s.replace(seed=None, steps=None, forwards=None) for s in states))
+    state = jax.tree.map(cat, *(s.replace(seed=None, steps=None, forwards=None, stops=None) for s in states))
     dead = jnp.arange(state.tokens.shape[0]) >= live * first.tokens.shape[0]
     state = state.replace(
         alive=state.alive & ~dead,
         done=state.done | dead,
         seed=first.seed,
+        stops=first.stops,
         steps=jnp.zeros((), jnp.int32),
         forwards=jnp.zeros_like(first.forwards),
     )

@@ -188,6 +188,7 @@ def speculative_rejection(
     concurrent_prompts: int = 1,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
     prompt_offset: int | Sequence[int] = 0,
     on_result: Callable[[int, Result], None] | None = None,
     keep_rejected: bool = False,
@@ -225,7 +226,7 @@ def speculative_rejection(
         n = check_positive_int("n", n)
     concurrent_prompts = check_positive_int("concurrent_prompts", concurrent_prompts)
     check_callback("on_result", on_result)
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     request = prepare(sampler.models, prompts, options)
     check_reward(reward, sampler.target, prompts, request.encoded)
     concurrent_prompts = min(concurrent_prompts, len(request.encoded))  # no more in flight than there are

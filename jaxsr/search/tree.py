@@ -120,6 +120,7 @@ def tree_best_of_n(
     concurrent_prompts: int = 1,
     chat: bool | None = None,
     stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
     prompt_offset: int | Sequence[int] = 0,
     on_result: Callable[[int, Result], None] | None = None,
 ) -> list[Result]:
@@ -138,7 +139,7 @@ def tree_best_of_n(
     min_prompt_bucket = check_positive_int("min_prompt_bucket", min_prompt_bucket)
     concurrent_prompts = check_positive_int("concurrent_prompts", concurrent_prompts)
     check_callback("on_result", on_result)
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset)
+    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     request = prepare(sampler.models, prompts, options)
     check_reward(reward, sampler.target, prompts, request.encoded)
     new = request.max_new_tokens
