@@ -198,7 +198,7 @@ def one_prompt(state: DecodeState, rows: int) -> DecodeState:
     def cut(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype, sharding=x.sharding)
 
-    per_row = {name: cut(getattr(state, name)) for name in PER_ROW}
+    per_row = {name: jax.tree.map(cut, getattr(state, name)) for name in PER_ROW}  # None stays None
     return state.replace(**per_row, rows=jax.tree.map(cut, state.rows))
 
 
