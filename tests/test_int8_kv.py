@@ -201,7 +201,7 @@ def test_empirical_joint_matches_the_exact_int8_target_joint(monkeypatch, kind, 
     c = exactness.COMPOSITIONS[comp]
     method = SpeculativeDecoding if kind == "SD" else SpeculativeContrastiveDecoding
     weights = None if kind == "SD" else exactness.CONTRAST
-    sampler = Sampler(models, method(c["sampling"], gamma=gamma), weights)
+    sampler = Sampler(models, method(gamma=gamma), weights, c["sampling"])
     prompt_index, sample_ids, tokens, lengths, _ = exactness.run(sampler, comp)
     for prompt, budget, rows in exactness.groups(comp, prompt_index, sample_ids, lengths):
         # the uncached enumeration: the cached one holds the float models' joints

@@ -308,3 +308,14 @@ def test_stop_strings_hold_in_speculative_decoding_and_the_searches(byte_lm):
 def test_bad_stop_strings_are_refused_naming_stop(byte_lm, bad):
     with pytest.raises((TypeError, ValueError), match="stop"):
         jaxsr.generate(byte_lm, ["hi"], max_new_tokens=4, stop=bad)
+
+
+def test_a_samplers_own_sampling_holds_unless_the_call_gives_one(lm):
+    greedy = jaxsr.Sampler((lm,), PlainSampling(), sampling=SamplingConfig(temperature=0))
+    kwargs = dict(max_new_tokens=12, num_samples=4, seed=2)
+    [own] = jaxsr.generate(greedy, [[1, 2]], **kwargs)
+    assert len({tuple(s.token_ids) for s in own.samples}) == 1  # greedy: every sample alike
+    [given] = jaxsr.generate(greedy, [[1, 2]], sampling=SamplingConfig(temperature=1.5, top_k=0), **kwargs)
+    assert len({tuple(s.token_ids) for s in given.samples}) > 1
+    [best] = jaxsr.best_of_n(greedy, jaxsr.rewards.SelfLikelihood(), [[1, 2]], n=3, max_new_tokens=12)
+    assert len({tuple(s.token_ids) for s in best.samples}) == 1

@@ -173,7 +173,7 @@ def generate(
     prompts: Prompts,
     *,
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig | None = None,
     num_samples: int = 1,
     seed: int = 0,
     chat: bool | None = None,
@@ -183,15 +183,15 @@ def generate(
     prompt_offset: int | Sequence[int] = 0,
 ) -> list[Result]:
     """Sample `num_samples` responses to each prompt (one `Result` per prompt, in order) from a
-    language model, or with any `Sampler` (a speculative or contrastive decoder, or your own `Method`).
+    language model, or with any `Sampler` (a speculative or contrastive decoder, or your own `Method`);
+    `sampling` None keeps the sampler's own (a model's: `SamplingConfig()`).
 
     `max_rows` bounds the rows decoded together (None: 64 a `data` shard); `prompt_offset` is the
     index of `prompts[0]` in a larger job, or a list of each prompt's index, so split, reordered or
     resumed jobs draw the same random streams as one whole call."""
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
-    return decode_prompts(
-        as_sampler(model, sampling), prompts, options, num_samples=num_samples, max_rows=max_rows
-    )
+    sampler = as_sampler(model, sampling)
+    options = Options(max_new_tokens, sampler.sampling, seed, chat, stop_token_ids, prompt_offset, stop)
+    return decode_prompts(sampler, prompts, options, num_samples=num_samples, max_rows=max_rows)
 
 
 def contrastive_decode(

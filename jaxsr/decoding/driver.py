@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jaxsr import text
 from jaxsr.decoding import loop, stops
 from jaxsr.decoding.contrast import Contrast
-from jaxsr.decoding.inputs import Request, check_language_model
+from jaxsr.decoding.inputs import Request, check_language_model, check_sampling
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.state import DecodeState, compact, concat_rows, response, stop_token, take_rows, to_host
 from jaxsr.decoding.steps import Controls, Method, PlainSampling
@@ -50,8 +50,8 @@ class Sampler:
     contrast: Contrast | None = None
     """Traced contrast weights (contrastive methods), else None."""
     sampling: SamplingConfig = SamplingConfig()
-    """How tokens are drawn; its values reach the programs traced (`controls`). The entry points
-    (`jaxsr.generate`, the searches) set it from their own `sampling` argument."""
+    """How tokens are drawn; its values reach the programs traced (`controls`). An entry point's own
+    `sampling` argument (`jaxsr.generate`, the searches), when given, replaces it."""
 
     @property
     def controls(self) -> Controls:
@@ -170,12 +170,13 @@ class Sampler:
         return tuple(m.params for m in self.models)
 
 
-def as_sampler(sampler: Any, sampling: SamplingConfig) -> Sampler:
-    """The sampler of a `Model` (plain sampling) or a `Sampler`, sampling with `sampling` (the
-    search functions' `model` argument)."""
+def as_sampler(sampler: Any, sampling: SamplingConfig | None) -> Sampler:
+    """The sampler of a `Model` (plain sampling) or a `Sampler` (the entry points' `model` argument),
+    sampling with `sampling`; None keeps a sampler's own (a model's: `SamplingConfig()`)."""
     if isinstance(sampler, Sampler):
-        return sampler.with_sampling(sampling)
+        return sampler if sampling is None else sampler.with_sampling(check_sampling(sampling))
     if isinstance(sampler, Model):
+        sampling = SamplingConfig() if sampling is None else check_sampling(sampling)
         return Sampler((check_language_model(sampler, "model"),), PlainSampling(), sampling=sampling)
     raise TypeError(
         "model: expected a jaxsr.Model (language model) or a sampler from jaxsr.speculative_decoder / "

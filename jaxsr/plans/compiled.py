@@ -166,7 +166,7 @@ def plan_batch(model: Model | Sampler, target: Target, batch: Batch) -> Plan:
     """Compile `batch`'s prefills (one per model), row set-up and token loop for plain sampling from
     `model`, or for a `Sampler` as it samples (e.g. of `abstract_model`s on `target_mesh(target, ...)`),
     as `driver.decode_batch` runs them. The second model's prefill is `prefill_<its role>`."""
-    sampler = model if isinstance(model, Sampler) else as_sampler(model, SamplingConfig())
+    sampler = as_sampler(model, None)  # a sampler as it samples; a model with the defaults
     tokens = abstract_tokens(sampler.mesh, batch.prompts, batch.prompt_slots, PartitionSpec())
     names = ["prefill", *(f"prefill_{role}" for role in sampler.roles[1:])]
     with sampler.on_mesh():

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxsr.checks import check_callback, check_positive_int, check_responses_fit
 from jaxsr.decoding.driver import Sampler, as_sampler, decode, default_rows, samples_of
-from jaxsr.decoding.inputs import Options, Request, check_sampling, prepare
+from jaxsr.decoding.inputs import Options, Request, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.models.model import Model
 from jaxsr.results import Result
@@ -36,7 +36,7 @@ def best_of_n(
     *,
     n: int,
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig | None = None,
     seed: int = 0,
     memory_budget: int | str | None = None,
     chat: bool | None = None,
@@ -51,11 +51,11 @@ def best_of_n(
     `memory_budget` (KV token slots or bytes) the N rows are decoded in chunks that fit it, prompt
     caches included (`stats["kv_bytes"]`: the caches of the batch a prompt was decoded in).
     `on_result(i, result)` is called with prompt `i`'s result as soon as it is scored."""
-    sampler = as_sampler(model, check_sampling(sampling))
+    sampler = as_sampler(model, sampling)
     reward = as_reward(reward)
     n = check_positive_int("n", n)
     check_callback("on_result", on_result)
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
+    options = Options(max_new_tokens, sampler.sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     request = prepare(sampler.models, prompts, options)
     check_reward(reward, sampler.target, prompts, request.encoded)
     lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens

@@ -48,7 +48,7 @@ import numpy as np
 
 from jaxsr.checks import check_callback, check_positive_int, is_int, is_real
 from jaxsr.decoding.driver import Sampler, as_sampler
-from jaxsr.decoding.inputs import Options, check_sampling, prepare
+from jaxsr.decoding.inputs import Options, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
@@ -178,7 +178,7 @@ def speculative_rejection(
     rejection_rate: float = 0.5,
     memory_budget: int | str | None = None,
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig | None = None,
     seed: int = 0,
     decision_interval: int | None = None,
     rule: Rule = "keep_fraction",
@@ -217,7 +217,7 @@ def speculative_rejection(
     reads the generator's ids scores them there, on device, from their ids. The scores a result stores
     (its samples and rejected responses) are the reward of their stored text: any the reward reads
     otherwise through its text are rescored through it when the search ends."""
-    sampler = as_sampler(model, check_sampling(sampling))
+    sampler = as_sampler(model, sampling)
     reward = as_reward(reward)
     config = SearchConfig.checked(
         rejection_rate, rule, min_keep, decision_interval, min_first_segment, min_prompt_bucket, keep_rejected
@@ -226,7 +226,7 @@ def speculative_rejection(
         n = check_positive_int("n", n)
     concurrent_prompts = check_positive_int("concurrent_prompts", concurrent_prompts)
     check_callback("on_result", on_result)
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
+    options = Options(max_new_tokens, sampler.sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     request = prepare(sampler.models, prompts, options)
     check_reward(reward, sampler.target, prompts, request.encoded)
     concurrent_prompts = min(concurrent_prompts, len(request.encoded))  # no more in flight than there are

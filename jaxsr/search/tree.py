@@ -26,7 +26,7 @@ from typing import Any
 
 from jaxsr.checks import check_callback, check_positive_int, check_responses_fit
 from jaxsr.decoding.driver import Sampler, as_sampler
-from jaxsr.decoding.inputs import Options, check_sampling, prepare
+from jaxsr.decoding.inputs import Options, prepare
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
@@ -114,7 +114,7 @@ def tree_best_of_n(
     branch: int = 4,
     layers: int = 4,
     max_new_tokens: int,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig | None = None,
     seed: int = 0,
     min_prompt_bucket: int = 16,
     concurrent_prompts: int = 1,
@@ -130,7 +130,7 @@ def tree_best_of_n(
     is a language model or a two-model sampler; `concurrent_prompts`, `min_prompt_bucket` and
     `on_result` as in `speculative_rejection`. `Result.stats["layers"]` logs each layer's end: its
     token, the rows still growing and the survivors kept."""
-    sampler = as_sampler(model, check_sampling(sampling))
+    sampler = as_sampler(model, sampling)
     reward = as_reward(reward)
     n, branch = check_positive_int("n", n), check_positive_int("branch", branch)
     if n % branch:  # n // branch survivors of branch children each: the tree stays n rows wide
@@ -139,7 +139,7 @@ def tree_best_of_n(
     min_prompt_bucket = check_positive_int("min_prompt_bucket", min_prompt_bucket)
     concurrent_prompts = check_positive_int("concurrent_prompts", concurrent_prompts)
     check_callback("on_result", on_result)
-    options = Options(max_new_tokens, sampling, seed, chat, stop_token_ids, prompt_offset, stop)
+    options = Options(max_new_tokens, sampler.sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     request = prepare(sampler.models, prompts, options)
     check_reward(reward, sampler.target, prompts, request.encoded)
     new = request.max_new_tokens
