@@ -34,6 +34,17 @@ DECODERS = tuple(DECODER_OPTIONS)
 PAIR_METHODS = {f"{kind}_decode": kind for kind in DECODERS}
 """Two-model decoding methods → their decoding kind."""
 SEARCH_METHODS = ("best_of_n", "speculative_rejection", "tree_best_of_n")
+CONTROL_KEYS = (
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "penalize_prompt",
+    "forbidden_token_ids",
+    "stop_token_ids",
+    "stop",
+)
+"""The sampling controls every method reads (added after job files existed)."""
 SHARED_KEYS = frozenset(
     [
         "method",
@@ -45,14 +56,7 @@ SHARED_KEYS = frozenset(
         "temperature",
         "top_k",
         "top_p",
-        "min_p",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-        "penalize_prompt",
-        "forbidden_token_ids",
-        "stop_token_ids",
-        "stop",
+        *CONTROL_KEYS,
         "seed",
         "dtype",
         "kv_dtype",
@@ -85,14 +89,7 @@ LATER_KEYS = (
     "branch",
     "layers",
     "weights_dtype",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "penalize_prompt",
-    "forbidden_token_ids",
-    "stop_token_ids",
-    "stop",
+    *CONTROL_KEYS,
 )
 """Keys added after job files existed: at their defaults they leave a job's fingerprint as it was, so
 the output of a job started before them still resumes."""
@@ -241,18 +238,10 @@ class JobConfig:
                 )
 
     def sampling(self) -> SamplingConfig:
-        """How the job draws tokens (a bad value refused naming its key)."""
-        return SamplingConfig(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
-            penalize_prompt=self.penalize_prompt,
-            forbidden_token_ids=tuple(self.forbidden_token_ids or ()),
-        )
+        """How the job draws tokens: its keys named as `SamplingConfig`'s fields (a bad value refused
+        naming its key)."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(SamplingConfig)}
+        return SamplingConfig(**values | {"forbidden_token_ids": tuple(self.forbidden_token_ids or ())})
 
     def _check_needs(self) -> None:
         """Refuse, from the config alone, a method missing what it needs: before the data is read, a
