@@ -155,14 +155,18 @@ def certainty_of(lm, prompt: list[int], sample: jaxsr.Sample) -> float:
     return float(np.mean(-np.log(logp.shape[-1]) - positions.mean(-1)))
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
-def test_self_certainty_is_the_mean_kl_from_uniform_of_the_generators_distributions(lm, speculative):
+@pytest.mark.parametrize("kind", ["plain", "speculative", "contrastive"])
+def test_self_certainty_is_the_mean_kl_from_uniform_of_the_generators_distributions(lm, kind):
     """Summed by the sampler as it samples (a speculative step sums the target's distributions at the
-    positions it commits), equal to one forward pass over the response; no forward pass of its own."""
+    positions it commits; contrastive decoding the expert's), equal to one forward pass over the
+    response; no forward pass of its own."""
     certainty = SelfCertainty()
-    sampler = (
-        jaxsr.speculative_decoder(lm, tiny_model(seed=9, eos_token_ids=(3,)), gamma=3) if speculative else lm
-    )
+    second = tiny_model(seed=9, eos_token_ids=(3,))
+    sampler = {
+        "plain": lm,
+        "speculative": jaxsr.speculative_decoder(lm, second, gamma=3),
+        "contrastive": jaxsr.contrastive_decoder(lm, second),
+    }[kind]
     results = jaxsr.best_of_n(
         sampler, certainty, PROMPTS[:2], n=4, max_new_tokens=10, sampling=SAMPLING, seed=5
     )
