@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxsr.ladder import bucket
+
 SPACE_PIECE = "\u2581"
 """SentencePiece's '▁': a space in the decoded text."""
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -64,7 +66,7 @@ def stop_strings(tokenizer: Any, vocab_size: int, stops: Sequence[str]) -> StopS
         raise ValueError("stop: the model has no tokenizer to decode text with")
     token_bytes, token_length = token_table(tokenizer, vocab_size)
     encoded = [s.encode() for s in stops]
-    strings = np.zeros((1 << (len(encoded) - 1).bit_length(), _round8(max(map(len, encoded)))), np.uint8)
+    strings = np.zeros((bucket(len(encoded), 1), _round8(max(map(len, encoded)))), np.uint8)
     lengths = np.zeros(strings.shape[0], np.int32)
     for k, s in enumerate(encoded):
         strings[k, : len(s)] = np.frombuffer(s, np.uint8)
