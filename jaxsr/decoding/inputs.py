@@ -16,7 +16,7 @@ import numpy as np
 from jaxsr import text
 from jaxsr.checks import check_int, check_positive_int, check_seed, check_unicode, is_int
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.decoding.stops import StopStrings, stop_strings
+from jaxsr.decoding.stops import StopStrings, check_stops, stop_strings
 from jaxsr.models.model import Model
 
 MAX_PROMPT_ID = 2**30  # prompt ids are int32 on device; a job of any size stays far below
@@ -70,8 +70,8 @@ def prepare(models: Sequence[Model], prompts: Any, options: Options) -> Request:
     stop_ids = check_stop_ids(target, options.stop_token_ids)
     check_token_ids("forbidden_token_ids", target, sampling.forbidden_token_ids)
     ids = check_prompt_ids(options.prompt_offset, len(encoded))
-    strings = stop_strings(target.tokenizer, target.config.vocab_size, options.stop)
-    stop = () if strings is None else tuple(options.stop)
+    stop = check_stops(options.stop)
+    strings = stop_strings(target.tokenizer, target.config.vocab_size, stop)
     return Request(prompts, encoded, max_new_tokens, sampling, seed, tuple(stop_ids), ids, stop, strings)
 
 
