@@ -22,9 +22,9 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxsr.decoding import stops
-from jaxsr.decoding.sampling import draw, token_statistics
+from jaxsr.decoding.sampling import token_statistics
 from jaxsr.decoding.state import DecodeState, pin, record
-from jaxsr.decoding.steps import Controls, Graphs, Method, Params, PromptCaches, keys_of, past_of
+from jaxsr.decoding.steps import Controls, Graphs, Method, Params, PromptCaches, next_tokens
 from jaxsr.models.cache import PromptCache, RowCache
 
 NO_PAUSE = np.int32(np.iinfo(np.int32).max)
@@ -104,8 +104,7 @@ def init_state(
         tail=None if new.stops is None else stops.initial_tail(new.stops, B),
     )
     logits = tuple(jnp.repeat(z, G, axis=0) for z in last_logits)
-    past = past_of(state, prompts[0], controls.sampling, logits[0].shape[-1])
-    tokens = draw(keys_of(state), method.scores(logits, controls), controls.sampling, past)
+    tokens = next_tokens(method, state, prompts[0], logits, controls)
     return pin(record(state, tokens, token_statistics(logits[0], tokens), new.alive))
 
 

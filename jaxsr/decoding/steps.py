@@ -120,6 +120,15 @@ def past_of(state: DecodeState, prompt: PromptCache, sampling: Sampling, vocab: 
     return history(sampling, state.tokens, state.num_generated, ids, vocab)
 
 
+def next_tokens(
+    method: Method, state: DecodeState, prompt: PromptCache, logits: tuple[jax.Array, ...], controls: Controls
+) -> jax.Array:
+    """Each row's next token [B], drawn from the method's scores of the models' logits [B, V] at the
+    row's next position (`prompt`: the target's cache, for the penalties' history)."""
+    past = past_of(state, prompt, controls.sampling, logits[0].shape[-1])
+    return draw(keys_of(state), method.scores(logits, controls), controls.sampling, past)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlainSampling(Method):
     """Plain sampling: one token per step from the target's logits (after the sampling's processing)."""
@@ -138,8 +147,7 @@ class PlainSampling(Method):
             for g, p, prompt, rows in zip(graphs, params, prompts, state.rows, strict=True)
         ]
         logits = tuple(z[:, 0] for z, _ in outputs)
-        past = past_of(state, prompts[0], controls.sampling, logits[0].shape[-1])
-        tokens = draw(keys_of(state), self.scores(logits, controls), controls.sampling, past)
+        tokens = next_tokens(self, state, prompts[0], logits, controls)
         state = record(state, tokens, token_statistics(logits[0], tokens), active)
         state = state.with_rows(tuple(rows for _, rows in outputs))
         state = state.replace(
