@@ -25,7 +25,7 @@ from tiny import tiny_config
 from jaxsr.decoding import loop
 from jaxsr.decoding.contrast import contrastive_scores, make_contrast
 from jaxsr.decoding.driver import Sampler
-from jaxsr.decoding.sampling import SamplingConfig, history, probabilities
+from jaxsr.decoding.sampling import History, SamplingConfig, probabilities
 from jaxsr.decoding.speculative import SpeculativeContrastiveDecoding, SpeculativeDecoding, residual
 from jaxsr.decoding.steps import ContrastiveDecoding
 from jaxsr.models.decoder import Decoder
@@ -154,13 +154,16 @@ def distributions(kind: str, prompt: list[int], prefixes: list[tuple[int, ...]],
     scores = z_e if kind == "SD" else contrastive_scores(jnp.asarray(z_e), jnp.asarray(z_a), CONTRAST)
     compiled = sampling.compiled()
     past = None
-    if compiled.form.penalties:  # each prefix's counts, after the prompt
-        generated = np.zeros((len(prefixes), max(map(len, prefixes), default=0) + 1), np.int32)
+    if compiled.form.penalties:  # each prefix's counts, and the prompt's tokens (NumPy, not the library's)
+        counts = np.zeros((len(prefixes), V), np.int32)
         for i, prefix in enumerate(prefixes):
-            generated[i, : len(prefix)] = prefix
-        lengths = np.array([len(prefix) for prefix in prefixes], np.int32)
-        prompts = np.tile(np.asarray(prompt, np.int32), (len(prefixes), 1))
-        past = history(compiled, jnp.asarray(generated), jnp.asarray(lengths), jnp.asarray(prompts), V)
+            np.add.at(counts[i], list(prefix), 1)
+        seen = np.zeros((len(prefixes), V), bool)
+        seen[:, prompt] = True
+        form = compiled.form
+        past = History(
+            jnp.asarray(counts), jnp.asarray(seen) if form.repetition and form.penalize_prompt else None
+        )
     p = probabilities(jnp.asarray(scores), compiled, past)
     q = probabilities(jnp.asarray(z_a), compiled, past)
     return np.asarray(p, np.float64), np.asarray(q, np.float64)

@@ -8,10 +8,12 @@ penalties), on tiny random Llama, Qwen2 and Gemma 2 checkpoints."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 
 import hf_fixtures
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -20,8 +22,11 @@ from tiny import tiny_model
 
 import jaxsr
 from jaxsr.cli import main
-from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.decoding.steps import PlainSampling
+from jaxsr.decoding import loop
+from jaxsr.decoding.sampling import SamplingConfig, per_row
+from jaxsr.decoding.speculative import SpeculativeDecoding
+from jaxsr.decoding.steps import Controls, PlainSampling
+from jaxsr.text import left_pad
 
 PROMPTS = [[5, 9, 12, 5, 7, 9, 3], [40, 41, 40, 41, 40, 8, 8, 60], [17]]
 STEPS = 16
@@ -207,7 +212,7 @@ class Favour(PlainSampling):
 
     token: int = 6
 
-    def scores(self, logits, controls):
+    def scores(self, logits, controls, past):
         return logits[0].at[..., self.token].add(1e4)
 
 
@@ -217,6 +222,145 @@ def test_a_method_of_ones_own_samples_in_generate_and_the_searches(lm):
     assert all(s.token_ids == [6] * 8 for s in plain.samples)
     [best] = jaxsr.best_of_n(sampler, jaxsr.rewards.SelfLikelihood(), [[1, 2]], n=4, max_new_tokens=8)
     assert best.best.token_ids == [6] * 8
+
+
+@dataclasses.dataclass(frozen=True)
+class NoEcho(PlainSampling):
+    """A control that reads the row's tokens: never the token just generated."""
+
+    def scores(self, logits, controls, past):
+        echo = past.last()[..., None] == jnp.arange(logits[0].shape[-1])
+        return jnp.where(echo, -jnp.inf, logits[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class NoEchoSD(SpeculativeDecoding):
+    scores = NoEcho.scores
+
+
+@dataclasses.dataclass(frozen=True)
+class Fresh(PlainSampling):
+    """A presence penalty of one's own, from the counts of the row's tokens."""
+
+    weight: float = 2.0
+
+    def scores(self, logits, controls, past):
+        return logits[0] - self.weight * (past.counts(logits[0].shape[-1]) > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FreshSD(SpeculativeDecoding):
+    weight: float = 2.0
+    scores = Fresh.scores
+
+
+def echoes(tokens: list[int]) -> int:
+    return sum(a == b for a, b in itertools.pairwise(tokens))
+
+
+def test_a_method_reads_each_rows_tokens_so_far(lm):
+    """Greedy `NoEcho` equals a plain-Python greedy loop over full forward passes with the same ban; a
+    speculative sampler with those scores gives the same tokens (its look-ahead positions see the
+    drafts before them), and sampled rows of either never echo, where plain sampling does."""
+    greedy, kwargs = SamplingConfig(temperature=0), dict(max_new_tokens=STEPS)
+    expected = []
+    for prompt in PROMPTS:
+        out: list[int] = []
+        while len(out) < STEPS and (not out or out[-1] != 3):
+            z = np.array(lm.logits([prompt + out])[0, -1])
+            if out:
+                z[out[-1]] = -np.inf
+            out.append(int(np.argmax(z)))
+        expected.append(out)
+    draft = tiny_model(seed=5, eos_token_ids=(3,))
+    for sampler in (jaxsr.Sampler((lm,), NoEcho()), jaxsr.Sampler((lm, draft), NoEchoSD(gamma=3))):
+        results = jaxsr.generate(sampler, PROMPTS, sampling=greedy, **kwargs)
+        assert [ours_of(r) for r in results] == expected
+    plain = jaxsr.Sampler((lm,), PlainSampling())
+    sampled = dict(max_new_tokens=24, num_samples=32, sampling=SamplingConfig(temperature=1.5, top_k=0))
+    assert sum(echoes(s.token_ids) for s in jaxsr.generate(plain, [[1, 2]], **sampled)[0].samples) > 5
+    for sampler in (jaxsr.Sampler((lm,), NoEcho()), jaxsr.Sampler((lm, draft), NoEchoSD(gamma=3))):
+        assert sum(echoes(s.token_ids) for s in jaxsr.generate(sampler, [[1, 2]], **sampled)[0].samples) == 0
+
+
+def ours_of(result) -> list[int]:
+    sample = result.samples[0]
+    return sample.token_ids + ([sample.stop_token] if sample.finished else [])
+
+
+def test_counts_of_the_rows_tokens_are_the_presence_penalty(lm):
+    """`Past.counts` read by a method of one's own samples the tokens that the presence penalty does
+    (same seed, same streams); greedy, a speculative sampler with those scores picks them too (the
+    draft proposes without the penalty there, so only greedy tokens are comparable)."""
+    draft = tiny_model(seed=5, eos_token_ids=(3,))
+    kwargs = dict(max_new_tokens=20, num_samples=6, seed=4)
+    sampled, penalty = SamplingConfig(top_k=0), SamplingConfig(top_k=0, presence_penalty=2.0)
+    mine = jaxsr.generate(jaxsr.Sampler((lm,), Fresh()), PROMPTS, sampling=sampled, **kwargs)
+    theirs = jaxsr.generate(lm, PROMPTS, sampling=penalty, **kwargs)
+    assert [[s.token_ids for s in r.samples] for r in mine] == [
+        [s.token_ids for s in r.samples] for r in theirs
+    ]
+    greedy = dict(max_new_tokens=STEPS, sampling=SamplingConfig(temperature=0))
+    library = jaxsr.generate(
+        lm, PROMPTS, max_new_tokens=STEPS, sampling=SamplingConfig(temperature=0, presence_penalty=2.0)
+    )
+    speculative = jaxsr.generate(jaxsr.Sampler((lm, draft), FreshSD(gamma=3)), PROMPTS, **greedy)
+    assert [ours_of(r) for r in speculative] == [ours_of(r) for r in library]
+
+
+# -- per-row values -----------------------------------------------------------------------------------
+
+ROWS = [
+    SamplingConfig(temperature=0.6, top_k=20),
+    SamplingConfig(temperature=1.3, top_k=20, top_p=0.8),
+    SamplingConfig(temperature=1.0, top_k=20, min_p=0.1, repetition_penalty=1.3),
+    SamplingConfig(temperature=0.9, top_k=20, frequency_penalty=0.5, presence_penalty=0.3),
+]
+
+
+def decode_rows(lm, prompt: list[int], sampling, rows: int, steps: int = 16) -> np.ndarray:
+    """Tokens [rows, steps] of `rows` samples of `prompt` decoded by the loop's programs under
+    `sampling` (a `Sampling`)."""
+    tokens, mask = map(jnp.asarray, left_pad([prompt], 1, 16))
+    logits, cache = loop.prefill(lm.graph, lm.params, tokens, mask)
+    new = loop.NewRows(
+        seed=np.uint32(7), prompt_ids=jnp.zeros(1, jnp.int32), sample_ids=jnp.arange(rows, dtype=jnp.int32),
+        alive=jnp.ones(rows, bool), max_new_tokens=jnp.full(rows, steps, jnp.int32),
+        stop_ids=jnp.full((rows, 1), -1, jnp.int32),
+    )  # fmt: skip
+    controls, method = Controls(sampling), PlainSampling()
+    state = loop.init_state((logits,), (cache,), controls, new, method=method, capacity=steps)
+    state = loop.decode_loop((lm.graph,), (lm.params,), state, (cache,), controls, method=method)
+    return np.asarray(state.tokens)
+
+
+def test_each_row_samples_with_its_own_values(lm):
+    """Row b under `per_row(ROWS)` draws the tokens it draws under `ROWS[b]` alone (its stream is
+    its own), and another set of values of the same form compiles nothing."""
+    mixed = decode_rows(lm, PROMPTS[1], per_row(ROWS), len(ROWS))
+    for b, config in enumerate(ROWS):
+        alone = decode_rows(lm, PROMPTS[1], per_row([config] * len(ROWS)), len(ROWS))
+        np.testing.assert_array_equal(mixed[b], alone[b], err_msg=str(config))
+    assert len({tuple(row) for row in mixed}) == len(ROWS)
+    other = [dataclasses.replace(c, temperature=c.temperature + 0.2) for c in ROWS]
+    with compilations() as names:
+        decode_rows(lm, PROMPTS[1], per_row(other), len(ROWS))
+    assert not {"init_state", "decode_loop"} & set(names), names
+
+
+@pytest.mark.parametrize(
+    "configs, message",
+    [
+        ([], "at least one"),
+        ([SamplingConfig(temperature=0), SamplingConfig()], "greedy"),
+        ([SamplingConfig(top_k=5), SamplingConfig(top_k=6)], "top_k"),
+        ([SamplingConfig(forbidden_token_ids=(1,)), SamplingConfig()], "forbidden"),
+        ([SamplingConfig(penalize_prompt=False), SamplingConfig()], "penalize_prompt"),
+    ],
+)
+def test_rows_that_cannot_share_a_program_are_refused(configs, message):
+    with pytest.raises(ValueError, match=message):
+        per_row(configs)
 
 
 # -- stop strings --------------------------------------------------------------------------------------

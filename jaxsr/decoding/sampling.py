@@ -11,6 +11,7 @@ the same seed gives the same tokens however prompts and samples are batched or b
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from functools import partial
 
 import jax
@@ -145,6 +146,93 @@ class Sampling:
     def greedy(self) -> bool:
         return self.form.greedy
 
+    def against(self, scores: jax.Array) -> Sampling:
+        """These values broadcastable against scores [B, ..., V]: a per-row value [B] (`per_row`)
+        gets the scores' other axes; a scalar stays."""
+
+        def shaped(value):
+            return value if np.ndim(value) == 0 else value.reshape(-1, *(1,) * (scores.ndim - 1))
+
+        return self.replace(**{name: shaped(getattr(self, name)) for name in VALUES})
+
+
+def per_row(configs: Sequence[SamplingConfig]) -> Sampling:
+    """One `Sampling` under which row b samples as `configs[b]`: for batches of one's own
+    (`jaxsr.decoding.loop`; a search moves rows about, so searches and jobs take one config). The
+    configs agree on greediness, `top_k`, `forbidden_token_ids` and `penalize_prompt`; a filter or
+    penalty that any of them turns on runs for every row, where its off value keeps every token."""
+    forms = [config.compiled().form for config in configs]
+    if not forms:
+        raise ValueError("configs: expected at least one SamplingConfig")
+    static = ("greedy", "top_k", "forbidden")
+    for name in static:
+        if len({getattr(form, name) for form in forms}) > 1:
+            raise ValueError(f"configs: rows must agree on {name}, got {[getattr(f, name) for f in forms]}")
+    if len({config.penalize_prompt for config in configs}) > 1:
+        raise ValueError("configs: rows must agree on penalize_prompt")
+    union = {
+        name: any(getattr(form, name) for form in forms)
+        for name in ("top_p", "min_p", "repetition", "additive")
+    }
+    form = dataclasses.replace(
+        forms[0], **union, penalize_prompt=union["repetition"] and configs[0].penalize_prompt
+    )
+    values = {name: np.array([getattr(c, name) for c in configs], np.float32) for name in VALUES}
+    return Sampling(form=form, **values)
+
+
+@struct.dataclass
+class Past:
+    """What precedes the positions a step scores, per row: its generated tokens and its prompt's. A
+    history-dependent control (a penalty, a method's own `scores`) reads it; one position per row has
+    `length` [B], a look-ahead's T positions [B, T] (their drafts written after the generated tokens)."""
+
+    tokens: jax.Array
+    """[B, N] int32: the row's generated tokens, then a look-ahead's drafts (the rest is stale)."""
+    length: jax.Array
+    """[B] or [B, T] int32: how many of `tokens` precede each scored position."""
+    prompt: jax.Array
+    """[B, S] int32: the row's prompt tokens, -1 on padding."""
+
+    def last(self) -> jax.Array:
+        """The token right before each scored position: [B] or [B, T] (-1 where none was generated)."""
+        at = jnp.maximum(self.length - 1, 0).reshape(self.tokens.shape[0], -1)
+        last = jnp.take_along_axis(self.tokens, at, axis=1, mode="clip").reshape(self.length.shape)
+        return jnp.where(self.length > 0, last, -1)
+
+    def counts(self, vocab: int) -> jax.Array:
+        """How many times each token was generated before each scored position: [B, V] or
+        [B, T, V] int32."""
+        N = self.tokens.shape[1]
+        lead = self.length.shape
+        before = (jnp.arange(N) < self.length[..., None]).astype(jnp.int32)  # [*lead, N]
+        tokens = jnp.broadcast_to(self.tokens.reshape(lead[:1] + (1,) * (len(lead) - 1) + (N,)), before.shape)
+        index = tuple(jnp.broadcast_to(i, before.shape) for i in jnp.indices(before.shape)[:-1])
+        return jnp.zeros((*lead, vocab), jnp.int32).at[(*index, tokens)].add(before)
+
+    def in_prompt(self, vocab: int) -> jax.Array:
+        """Which tokens each row's prompt holds: [B, V] (or [B, 1, V] beside T positions) bool."""
+        B, S = self.prompt.shape
+        rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, S))
+        index = jnp.where(self.prompt >= 0, self.prompt, vocab)  # padding: dropped
+        seen = jnp.zeros((B, vocab), bool).at[rows, index].set(True, mode="drop")
+        return seen.reshape((B,) + (1,) * (self.length.ndim - 1) + (vocab,))
+
+    def plus(self, tokens: jax.Array) -> Past:
+        """This past after one more token per row (`tokens` [B]; `length` [B])."""
+        rows = jnp.arange(tokens.shape[0])
+        return self.replace(
+            tokens=self.tokens.at[rows, self.length].set(tokens, mode="drop"), length=self.length + 1
+        )
+
+    def then(self, drafts: jax.Array) -> Past:
+        """The past of a look-ahead over `drafts` [B, T]: draft j written at the row's length + j,
+        position j preceded by the first j of them (positions past the buffer are never kept)."""
+        B, T = drafts.shape
+        at = self.length[:, None] + jnp.arange(T)
+        tokens = self.tokens.at[jnp.arange(B)[:, None], at].set(drafts, mode="drop")
+        return self.replace(tokens=tokens, length=at)
+
 
 @struct.dataclass
 class History:
@@ -156,43 +244,21 @@ class History:
     prompt: jax.Array | None = None
     """[..., V] bool, or None when the repetition penalty leaves the prompt out."""
 
-    def plus(self, tokens: jax.Array) -> History:
-        """This history after one more token per row (`tokens` [B], counts [B, V])."""
-        return self.replace(
-            counts=self.counts + jax.nn.one_hot(tokens, self.counts.shape[-1], dtype=jnp.int32)
-        )
 
-    def along(self, drafts: jax.Array) -> tuple[History, History]:
-        """The history at each position of a look-ahead over `drafts` [B, γ] (position j after the
-        first j drafts): positions 0 … γ-1 ([B, γ, V]), and position γ ([B, V])."""
-        added = jnp.cumsum(jax.nn.one_hot(drafts, self.counts.shape[-1], dtype=jnp.int32), axis=1)
-        before = jnp.concatenate([self.counts[:, None], self.counts[:, None] + added[:, :-1]], axis=1)
-        prompt = None if self.prompt is None else self.prompt[:, None]
-        return History(before, prompt), self.replace(counts=self.counts + added[:, -1])
-
-
-def history(
-    sampling: Sampling, tokens: jax.Array, num_generated: jax.Array, prompt: jax.Array, vocab: int
-) -> History:
-    """Each row's `History` for `sampling`'s penalties: counts of its first `num_generated` tokens
-    [B, N], and the tokens of its prompt (`prompt` [B, S], -1 on padding)."""
+def history(sampling: Sampling, past: Past, vocab: int) -> History | None:
+    """What `sampling`'s penalties read of `past` (None without penalties)."""
     form = sampling.form
-    B, N = tokens.shape
-    generated = (jnp.arange(N)[None, :] < num_generated[:, None]).astype(jnp.int32)
-    counts = jnp.zeros((B, vocab), jnp.int32).at[jnp.arange(B)[:, None], tokens].add(generated)
-    seen = None
-    if form.repetition and form.penalize_prompt:
-        rows = jnp.broadcast_to(jnp.arange(B)[:, None], prompt.shape)
-        index = jnp.where(prompt >= 0, prompt, vocab)  # padding: dropped
-        seen = jnp.zeros((B, vocab), bool).at[rows, index].set(True, mode="drop")
-    return History(counts, seen)
+    if not form.penalties:
+        return None
+    seen = past.in_prompt(vocab) if form.repetition and form.penalize_prompt else None
+    return History(past.counts(vocab), seen)
 
 
 def controlled(scores: jax.Array, sampling: Sampling, past: History | None) -> jax.Array:
     """float32 scores [..., V] with the forbidden ids masked and the penalties applied (vLLM's order:
     repetition, then frequency and presence), before temperature and filters."""
     scores = scores.astype(jnp.float32)
-    form = sampling.form
+    form, sampling = sampling.form, sampling.against(scores)
     if form.forbidden:
         scores = scores.at[..., jnp.asarray(form.forbidden)].set(MASKED, mode="drop")
     if past is None:
@@ -211,7 +277,7 @@ def process_logits(logits: jax.Array, sampling: Sampling, past: History | None =
     """Filtered, tempered float32 logits [..., V] (after `controlled`); removed tokens get a large
     negative value. Greedy configs return the controlled logits (argmax is taken by `draw`)."""
     logits = controlled(logits, sampling, past)
-    form = sampling.form
+    form, sampling = sampling.form, sampling.against(logits)
     if form.greedy:
         return logits
     logits = logits / sampling.temperature
@@ -281,6 +347,7 @@ def draw(keys: jax.Array, logits: jax.Array, sampling: Sampling, past: History |
     V = logits.shape[-1]
     if 0 < form.top_k < V:
         values, index = top_k(controlled(logits, sampling, past), form.top_k)
+        sampling = sampling.against(values)
         values = values / sampling.temperature
         if form.top_p:
             values = _top_p_sorted(values, sampling.top_p)

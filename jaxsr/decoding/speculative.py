@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsr.decoding.contrast import contrastive_scores
-from jaxsr.decoding.sampling import draw_from, probabilities, token_statistics
+from jaxsr.decoding.sampling import Past, draw_from, history, probabilities, token_statistics
 from jaxsr.decoding.state import record
 from jaxsr.decoding.steps import (
     ContrastiveDecoding,
@@ -113,24 +113,26 @@ class SpeculativeDecoding(Method):
         keys = jax.vmap(lambda k: jax.random.split(k, 2 * g + 1))(keys_of(state))
         draft_keys, test_keys, final_keys = keys[:, :g], keys[:, g : 2 * g], keys[:, 2 * g]
 
-        past = past_of(state, prompts[0], sampling, vocab_of(graphs[0], params[0]))
+        past, vocab = past_of(state, prompts[0]), vocab_of(graphs[0], params[0])
 
         def draft_one(carry, j):
             rows, token, seen = carry
             z, rows = forward(graphs[1], params[1], token[:, None], (index + j)[:, None], prompts[1], rows)
-            q = probabilities(z[:, 0], sampling, seen)
+            q = probabilities(z[:, 0], sampling, None if seen is None else history(sampling, seen, vocab))
             d = jax.vmap(draw_from)(draft_keys[:, j], q)
             return (rows, d, None if seen is None else seen.plus(d)), (d, q, z[:, 0])
 
-        carry = (draft_rows, last, past)
+        carry = (draft_rows, last, past if sampling.form.penalties else None)  # the draft's own penalties
         (draft_rows, _, _), (drafts, q, z_a) = jax.lax.scan(draft_one, carry, jnp.arange(g))
         drafts, q = drafts.T, q.transpose(1, 0, 2)
 
         fed = jnp.concatenate([last[:, None], drafts], axis=1)
         fed_index = index[:, None] + jnp.arange(g + 1)
         z_e, target_rows = forward(graphs[0], params[0], fed, fed_index, prompts[0], target_rows)
-        before, after = (None, None) if past is None else past.along(drafts)
-        p = probabilities(self.scores((z_e[:, :g], z_a.transpose(1, 0, 2)), controls), sampling, before)
+        before = past.then(drafts)  # position j after the first j drafts; the bonus after all γ
+        after = before.replace(length=past.length + g)
+        scores = self.scores((z_e[:, :g], z_a.transpose(1, 0, 2)), controls, before)
+        p = probabilities(scores, sampling, history(sampling, before, vocab))
         u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(test_keys)
         a = accepted_count(p, q, drafts, u)
         kept_all = active & (a == g)
@@ -143,7 +145,9 @@ class SpeculativeDecoding(Method):
             return rows, jnp.zeros_like(z_e[:, g])
 
         draft_rows, z_a_bonus = jax.lax.cond(kept_all.any(), extra_draft_call, no_call, draft_rows)
-        p_bonus = probabilities(self.scores((z_e[:, g], z_a_bonus), controls), sampling, after)
+        p_bonus = probabilities(
+            self.scores((z_e[:, g], z_a_bonus), controls, after), sampling, history(sampling, after, vocab)
+        )
         token = jax.vmap(draw_from)(final_keys, next_distribution(p, q, p_bonus, a))
 
         padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -174,5 +178,5 @@ class SpeculativeContrastiveDecoding(SpeculativeDecoding):
     def baseline(self) -> Method:
         return ContrastiveDecoding()
 
-    def scores(self, logits: tuple[jax.Array, ...], controls: Controls) -> jax.Array:
+    def scores(self, logits: tuple[jax.Array, ...], controls: Controls, past: Past) -> jax.Array:
         return contrastive_scores(logits[0], logits[1], controls.contrast)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxsr.decoding.contrast import Contrast, contrastive_scores
-from jaxsr.decoding.sampling import History, Sampling, draw, history, row_keys, token_statistics
+from jaxsr.decoding.sampling import Past, Sampling, draw, history, row_keys, token_statistics
 from jaxsr.decoding.state import DecodeState, record
 from jaxsr.models.cache import PromptCache, RowCache
 
@@ -55,9 +55,10 @@ class Method:
         """The method whose distribution this one reproduces one token per step (itself here)."""
         return self
 
-    def scores(self, logits: tuple[jax.Array, ...], controls: Controls) -> jax.Array:
-        """Raw scores [..., V] of the next token from each model's logits at the same positions (the
-        sampling's penalties and filters apply to them afterwards)."""
+    def scores(self, logits: tuple[jax.Array, ...], controls: Controls, past: Past) -> jax.Array:
+        """Raw scores [..., V] of the next token from each model's logits at the same positions, given
+        what precedes them (`past`: the rows' tokens; the sampling's penalties and filters apply to the
+        scores afterwards)."""
         raise NotImplementedError
 
     def step(
@@ -110,30 +111,29 @@ def vocab_of(graph: nnx.GraphDef, params: nnx.State) -> int:
     return nnx.merge(graph, params).config.vocab_size
 
 
-def past_of(state: DecodeState, prompt: PromptCache, sampling: Sampling, vocab: int) -> History | None:
-    """What the sampling's penalties read of each row before its next token: its generated tokens and
-    its prompt's (`prompt`: the target's cache, rows grouped by prompt). None without penalties."""
-    if not sampling.form.penalties:
-        return None
+def past_of(state: DecodeState, prompt: PromptCache) -> Past:
+    """What precedes each row's next token: its generated tokens and its prompt's (`prompt`: the
+    target's cache, rows grouped by prompt)."""
     G = state.tokens.shape[0] // prompt.num_prompts
     ids = jnp.repeat(jnp.where(prompt.mask, prompt.tokens, -1), G, axis=0)
-    return history(sampling, state.tokens, state.num_generated, ids, vocab)
+    return Past(state.tokens, state.num_generated, ids)
 
 
 def next_tokens(
     method: Method, state: DecodeState, prompt: PromptCache, logits: tuple[jax.Array, ...], controls: Controls
 ) -> jax.Array:
     """Each row's next token [B], drawn from the method's scores of the models' logits [B, V] at the
-    row's next position (`prompt`: the target's cache, for the penalties' history)."""
-    past = past_of(state, prompt, controls.sampling, logits[0].shape[-1])
-    return draw(keys_of(state), method.scores(logits, controls), controls.sampling, past)
+    row's next position (`prompt`: the target's cache)."""
+    past, sampling = past_of(state, prompt), controls.sampling
+    scores = method.scores(logits, controls, past)
+    return draw(keys_of(state), scores, sampling, history(sampling, past, scores.shape[-1]))
 
 
 @dataclasses.dataclass(frozen=True)
 class PlainSampling(Method):
     """Plain sampling: one token per step from the target's logits (after the sampling's processing)."""
 
-    def scores(self, logits: tuple[jax.Array, ...], controls: Controls) -> jax.Array:
+    def scores(self, logits: tuple[jax.Array, ...], controls: Controls, past: Past) -> jax.Array:
         return logits[0]
 
     def step(self, graphs, params, state, prompts, controls, pause_at):
@@ -164,5 +164,5 @@ class ContrastiveDecoding(PlainSampling):
     num_models: ClassVar[int] = 2
     roles: ClassVar[tuple[str, ...]] = ("expert", "amateur")
 
-    def scores(self, logits: tuple[jax.Array, ...], controls: Controls) -> jax.Array:
+    def scores(self, logits: tuple[jax.Array, ...], controls: Controls, past: Past) -> jax.Array:
         return contrastive_scores(logits[0], logits[1], controls.contrast)
