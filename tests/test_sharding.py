@@ -15,7 +15,7 @@ from jaxsr.decoding import state as decode_state
 from jaxsr.decoding.driver import Layout, as_sampler
 from jaxsr.decoding.inputs import Request
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.sharding import gather_rows, make_mesh, shard_model
+from jaxsr.sharding import RING_GROUPS, gather_rows, make_mesh, send_groups, shard_model
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9, 10, 11, 12, 13]]
 MESHES = [(8, 1), (4, 2), (2, 4)]
@@ -341,6 +341,18 @@ def test_batches_are_padded_with_dead_rows_to_split_over_data(lm):
     physical = [x["batch_size"] for x in padded.stats["round_log"]]
     assert logical[0] == 10 and len(logical) > 1
     assert physical == [-(-b // 8) * 8 for b in logical]
+
+
+def test_rows_are_sent_in_a_few_groups_of_similar_bytes():
+    """A 42-layer cache's 85 arrays go in 8 groups (a barrier each per shift), in order, none larger
+    than an eighth of the bytes unless one array is."""
+    arrays = [jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)] * 84 + [jax.ShapeDtypeStruct((4,), jnp.int32)]
+    groups = send_groups(arrays, RING_GROUPS)
+    assert [i for g in groups for i in g] == list(range(85)) and len(groups) <= RING_GROUPS + 1
+    share = sum(a.size * a.dtype.itemsize for a in arrays) / RING_GROUPS
+    assert all(sum(arrays[i].size * arrays[i].dtype.itemsize for i in g) <= share for g in groups)
+    big = [jax.ShapeDtypeStruct((100_000,), jnp.float32), *arrays[:3]]
+    assert send_groups(big, RING_GROUPS) == [[0], [1, 2, 3]]
 
 
 @pytest.mark.parametrize("data,model", [(8, 1), (4, 2)])
