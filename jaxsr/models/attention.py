@@ -3,17 +3,33 @@
 A decoding row sees two segments: its prompt's keys (stored once per prompt and shared by the G rows of
 that prompt, so rows are grouped as [prompts, G]) and its own generated keys. Scores of all segments are
 concatenated before the softmax, so the result equals attention over the concatenated sequence.
+
+Prefill attends in blocks of queries, one block after another (`attend_blocks`), so long prompts need
+memory linear in their length.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jaxsr.models.cache import KV, cache_layout
 from jaxsr.models.layers import MASKED, soft_cap
+
+PREFILL_BLOCK = 512
+"""Most queries per prefill attention block (`attend_blocks`); prompts of at most this many slots are
+attended to at once, as before blocking. Up to about 512 slots a prompt's scores [S, S] per head are no
+larger than prefill's other temporaries (the MLP's [S, intermediate] activations), so blocks would
+save little memory for a loop's costs: the SmolLM2 draft's prefill of 16 prompts of 512 slots holds
+122 MB unblocked and 134 MB in blocks of 256. Past it the scores dominate: at 4096 slots, 560 MB
+unblocked, 101 MB in blocks of 512, 67 MB in blocks of 256 (CPU, one prompt)."""
+PREFILL_LOOPS = 4
+"""Most loops over a layer's prefill blocks (`attend_blocks`). A loop reads the keys up to its last
+query, so m loops of equal length do (m + 1) / 2m of the products of all keys (5/8 at 4, against the
+1/2 of one loop per block); each loop is compiled on its own (about 0.08 s per loop and layer on CPU)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +86,60 @@ def attend(q: jax.Array, segments: list[Segment], scale: float, softcap: float |
         start += S
     out = out.reshape(B, K, T, R, D).transpose(0, 2, 1, 3, 4)
     return out.reshape(B, T, H, D).astype(q.dtype)
+
+
+def attend_blocks(
+    q: jax.Array,
+    kv: KV,
+    visible: Callable[[jax.Array | int, int], jax.Array],
+    block: int,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> jax.Array:
+    """Causal self-attention of q [P, S, heads, head_dim] to `kv` (the same S slots, in cache layout) in
+    blocks of at most `block` queries: `visible(start, n)` [P, n, S] is which keys queries start + [0, n)
+    see, none after the query and, in a window of `window` keys, none `window` or more slots before it.
+
+    The blocks run one after another in at most `PREFILL_LOOPS` loops, so only one block's scores
+    [P, kv_heads, block·R, keys] exist at once: temporaries grow linearly in S. A loop reads only the keys
+    its queries may see, none past its last query (nor out of the window of its first). Exact up to
+    rounding, as each query's softmax is its own; a query that sees no key (left padding) gets uniform
+    weights over its loop's keys. S is cut into blocks of equal size, padded with fewer queries than
+    blocks (their outputs dropped); at most `block` slots are one block (no loop)."""
+    P, S, H, D = q.shape
+    if block >= S:
+        return attend(q, [Segment.of(kv, visible(0, S))], scale, softcap)
+    n = -(-S // block)
+    size = -(-S // n)
+    padded = jnp.pad(q, ((0, 0), (0, n * size - S), (0, 0), (0, 0)))
+    blocks = padded.reshape(P, n, size, H, D).swapaxes(0, 1)
+    out = []
+    for first, last in _loops(n):
+        keys = slice(max(0, first * size - window + 1) if window else 0, min(last * size, S))
+
+        def one(i_rows: tuple[jax.Array, jax.Array], keys: slice = keys) -> jax.Array:
+            i, rows = i_rows
+            segment = Segment.of(_key_slots(kv, keys), visible(i * size, size)[..., keys])
+            return attend(rows, [segment], scale, softcap)
+
+        out.append(jax.lax.map(one, (jnp.arange(first, last), blocks[first:last])))
+    return jnp.concatenate(out).swapaxes(0, 1).reshape(P, n * size, H, D)[:, :S]
+
+
+def _loops(blocks: int) -> list[tuple[int, int]]:
+    """[first, last) blocks of each of at most `PREFILL_LOOPS` loops over `blocks` blocks, the longer
+    loops first (their keys end sooner). Each has two blocks or more: XLA inlines a loop of one, and
+    inlined blocks run side by side, scores and all."""
+    m = min(PREFILL_LOOPS, blocks // 2)
+    starts = [blocks - blocks * (m - j) // m for j in range(m)]
+    return list(zip(starts, [*starts[1:], blocks], strict=True))
+
+
+def _key_slots(kv: KV, keys: slice) -> KV:
+    """Slots `keys` of a layer in cache layout."""
+    scales = (None, None) if kv.k_scale is None else (kv.k_scale[..., keys], kv.v_scale[..., keys])
+    return KV(kv.k[..., keys], kv.v[:, :, keys], *scales)
 
 
 def _segment_scores(rows: jax.Array, seg: Segment, T: int, scale: float, softcap: float | None) -> jax.Array:

@@ -5,15 +5,17 @@ Each layer owns its weights and its KV cache arrays, and the layer loop is unrol
 memory-bound, and a `lax.scan` over stacked [layers, ...] weights and caches copies every layer's slice
 out of the stack on every token (measured 2× slower at batch 1 on CPU). Two entry points cover every use:
 
-- `prefill(tokens, mask)`: left-padded prompts, causal attention; returns final hidden states and a
-  `PromptCache` (a plain forward pass is a prefill whose cache is dropped).
+- `prefill(tokens, mask)`: left-padded prompts, causal attention in blocks of queries (memory linear in
+  the prompt length); returns final hidden states and a `PromptCache` (a plain forward pass is a
+  prefill whose cache is dropped).
 - `decode(tokens, positions, prompt_cache, rows)`: T new tokens per row; each row attends to its prompt's
   shared cache and to its own `RowCache`, into which the new keys/values are written at `rows.length`.
 
 Sliding attention windows (`DecoderConfig.sliding_window`) are applied as transformers applies them:
 in a windowed layer (`DecoderConfig.sliding_layers`) key k is visible to query q iff k <= q and
-q - k < W (the query sees W keys, itself included). The windowed masks are built once per call and
-shared by every windowed layer; other layers, and models without a window, use the plain causal masks.
+q - k < W (the query sees W keys, itself included). Decoding builds the windowed masks once per call and
+shares them between the windowed layers; other layers, and models without a window, use the plain causal
+masks. Prefill builds each block's rows of its masks where it attends (`_prefill_mask`).
 
 With `DecoderConfig.kv_dtype="int8"` both caches hold int8 keys and values with float32 scales
 (`jaxsr.models.cache`), and prefill attends to its keys/values as stored, as decoding does.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import jax
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsr.models.attention import Segment, attend
+from jaxsr.models.attention import PREFILL_BLOCK, Segment, attend, attend_blocks
 from jaxsr.models.cache import PromptCache, RowCache, cache_layout
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.layers import (
@@ -116,6 +119,15 @@ def _matrix(
         return w, None
     q, scale = quantize_weight(w[...], QUANTIZED[name])
     return nnx.Param(q), nnx.Param(scale.astype(dtype))
+
+
+def _prefill_mask(mask: jax.Array, window: int | None, start: jax.Array | int, queries: int) -> jax.Array:
+    """Which keys queries start + [0, queries) of left-padded prompts see, [P, queries, S]: the unpadded
+    (`mask` [P, S]) keys at or before the query and, with a window W, fewer than W slots before it
+    (distances in slots, as transformers: position distances of padded rows)."""
+    query, key = start + jnp.arange(queries), jnp.arange(mask.shape[1])
+    seen = mask[:, None, :] & (query[:, None] >= key)[None]
+    return seen & ~((query - window)[:, None] >= key)[None] if window else seen
 
 
 class Attention(nnx.Module):
@@ -254,33 +266,42 @@ class Decoder(nnx.Module):
         out = block.mlp(block.mlp_norm(x))
         return x + (block.mlp_out_norm(out) if block.mlp_out_norm is not None else out)
 
+    @property
+    def _score_scale(self) -> float:
+        """What attention scores q·k are multiplied by."""
+        return (self.config.query_pre_attn_scalar or self.config.head_dim) ** -0.5
+
     def _attend(self, q: jax.Array, segments: list[Segment]) -> jax.Array:
         """Attention with the config's score scale and soft-cap."""
-        cfg = self.config
-        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        return attend(q, segments, scale, cfg.attn_logit_softcapping)
+        return attend(q, segments, self._score_scale, self.config.attn_logit_softcapping)
 
     @property
     def _any_windowed(self) -> bool:
         return bool(self.config.sliding_layers)
 
     # -- entry points -------------------------------------------------------------------------
-    def prefill(self, tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, PromptCache]:
-        """tokens, mask: [P, S] (left-padded). Returns final hidden [P, S, d] and the prompt cache."""
+    def prefill(
+        self, tokens: jax.Array, mask: jax.Array, query_block: int = PREFILL_BLOCK
+    ) -> tuple[jax.Array, PromptCache]:
+        """tokens, mask: [P, S] (left-padded). Returns final hidden [P, S, d] and the prompt cache.
+
+        Attention runs in blocks of `query_block` queries (`jaxsr.models.attention.attend_blocks`), so
+        its memory grows linearly in S; prompts of at most `query_block` slots are one block. Hidden
+        states and cache entries of padding slots depend on the blocks (no real token sees them)."""
         mask = mask.astype(bool)
         positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
-        S = tokens.shape[1]
-        visible = mask[:, None, :] & jnp.tril(jnp.ones((S, S), bool))[None]
-        if self._any_windowed:  # distances in slots, as transformers: position distances of padded rows
-            local = visible & ~jnp.tril(jnp.ones((S, S), bool), -self.config.sliding_window)[None]
+        cfg = self.config
         x = self._embed(tokens, positions)
         layers = []
         for layer, block in enumerate(self.blocks):
             q, k, v = self._qkv(layer, x, positions)
             # an int8 cache is attended to as stored, as decoding will attend to it
-            kv = cache_layout(k, v, self.config.quantized_kv)
-            segment = Segment.of(kv, local if self.config.is_windowed(layer) else visible)
-            x = self._finish_block(block, x, self._attend(q, [segment]))
+            kv = cache_layout(k, v, cfg.quantized_kv)
+            window = cfg.sliding_window if cfg.is_windowed(layer) else None
+            visible = partial(_prefill_mask, mask, window)
+            softcap = cfg.attn_logit_softcapping
+            attn = attend_blocks(q, kv, visible, query_block, self._score_scale, softcap, window)
+            x = self._finish_block(block, x, attn)
             layers.append(kv)
         return self.final_norm(x), PromptCache.of_layers(layers, mask, tokens)
 
