@@ -2,11 +2,16 @@
 
 JAX reports each trace, lowering and backend compile as a time span (`jax.monitoring`); a listener,
 registered when this module is imported, keeps them. A shape compiles on its first use, inside whatever
-stage runs it first: `Stopwatch` times a stage and splits its seconds into running and compiling."""
+stage runs it first: `Stopwatch` times a stage and splits its seconds into running and compiling. A
+thread that compiles ahead of the stages (`compiling_aside`) is not counted while the stages run beside
+it; a stage that waits for its programs counts the wait (`waited`)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from jax import monitoring
@@ -22,9 +27,29 @@ _spans: list[tuple[float, float]] = []
 """(start, end) `time.time()` of each compile span, in the order they ended."""
 
 
+_aside: set[int] = set()
+"""The threads compiling aside (`compiling_aside`), by `threading.get_ident()`."""
+
+
 def _record(event: str, start: float, end: float, **_: Any) -> None:
-    if event in COMPILE_EVENTS:
+    if event in COMPILE_EVENTS and threading.get_ident() not in _aside:
         _spans.append((start, end))
+
+
+@contextlib.contextmanager
+def compiling_aside() -> Iterator[None]:
+    """Compile inside the block (on a thread of its own) without it counting as compiling: the stages
+    running meanwhile on other threads do not wait for it. They count what they wait for (`waited`)."""
+    _aside.add(threading.get_ident())
+    try:
+        yield
+    finally:
+        _aside.discard(threading.get_ident())
+
+
+def waited(start: float, end: float) -> None:
+    """Count [start, end] (`time.time()`) as compiling: a stage waiting for programs compiled aside."""
+    _spans.append((start, end))
 
 
 monitoring.register_event_time_span_listener(_record)

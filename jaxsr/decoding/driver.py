@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -113,8 +114,7 @@ class Sampler:
         """The prompts left-padded to [rows, length] (default: the longest's bucket; rows past the
         prompts are padding) and prefilled once per model."""
         length = bucket(max(map(len, prompts))) if length is None else length
-        tokens, mask = map(jnp.asarray, text.left_pad(list(prompts), rows, length))
-        logits, caches = self.prefill(tokens, mask)
+        logits, caches = self.prefill(*padded(prompts, rows, length))
         return Prefill(logits, caches, rows * length)
 
     def init_state(self, prefilled: tuple[tuple, tuple], new: loop.NewRows, **capacities: int) -> DecodeState:
@@ -127,10 +127,14 @@ class Sampler:
         """The rows of `layout` after `prefill`, each with its first token: token buffers for the
         request's `max_new_tokens` (bucketed), row caches of `segment` slots (default: as many) plus
         the method's look-ahead headroom."""
+        new = layout.new_rows(self.target, request)
+        return self.init_state(prefill[:2], new, **self.capacities(request, segment))
+
+    def capacities(self, request: Request, segment: int | None = None) -> dict[str, int]:
+        """`start`'s token-buffer and row-cache lengths (`loop.init_state`'s static arguments)."""
         capacity = bucket(request.max_new_tokens)
         cache_capacity = (capacity if segment is None else segment) + self.headroom
-        new = layout.new_rows(self.target, request)
-        return self.init_state(prefill[:2], new, capacity=capacity, cache_capacity=cache_capacity)
+        return {"capacity": capacity, "cache_capacity": cache_capacity}
 
     def compiled_loop(self, state: DecodeState, prompts: tuple) -> Any:
         """The decode loop compiled for this state's shapes (paused or not): (params, state, prompts,
@@ -200,6 +204,12 @@ PENALTY_VOCAB_COPIES = 3
 counts, the prompt's tokens (1 byte), and the penalized scores (not measured on an accelerator yet)."""
 
 
+def padded(prompts: Sequence[list[int]], rows: int, length: int) -> tuple[jax.Array, jax.Array]:
+    """Prefill's inputs: the prompts left-padded to [rows, length] tokens and their mask, on device."""
+    tokens, mask = text.left_pad(list(prompts), rows, length)
+    return jnp.asarray(tokens), jnp.asarray(mask)
+
+
 class Prefill(NamedTuple):
     """Prompts prefilled once per model."""
 
@@ -265,12 +275,18 @@ def batches(
     length its prefill pads to), so that prefill pads little. Each prompt's rows are padded with dead
     ones to R ≥ G so that the batch splits over the mesh's `data` shards (R = G without a mesh)."""
     G = min(num_samples, max_rows)
-    per_batch = 1 << (max(1, max_rows // G).bit_length() - 1)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    groups = itertools.groupby(order, key=lambda i: bucket(len(prompts[i])))
-    for same_length in (list(group) for _, group in groups):
+    for indices in batch_indices([len(p) for p in prompts], num_samples, max_rows):
+        yield layouts_of(indices, num_samples, G, mesh)
+
+
+def batch_indices(lengths: Sequence[int], num_samples: int, max_rows: int) -> Iterator[tuple[int, ...]]:
+    """The prompts (by index) of each of `batches`' batches, for prompts of these token `lengths`."""
+    per_batch = 1 << (max(1, max_rows // min(num_samples, max_rows)).bit_length() - 1)
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for _, group in itertools.groupby(order, key=lambda i: bucket(lengths[i])):
+        same_length = list(group)
         for start in range(0, len(same_length), per_batch):
-            yield layouts_of(tuple(same_length[start : start + per_batch]), num_samples, G, mesh)
+            yield tuple(same_length[start : start + per_batch])
 
 
 def layouts_of(indices: tuple[int, ...], num_samples: int, G: int, mesh: Mesh | None) -> list[Layout]:
@@ -278,6 +294,68 @@ def layouts_of(indices: tuple[int, ...], num_samples: int, G: int, mesh: Mesh | 
     P = bucket(len(indices), 1)
     R = padded_rows(G, mesh, groups=P)
     return [Layout(indices, P, R, G, first, num_samples) for first in range(0, num_samples, G)]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """What a decode batch's programs are compiled for: `prompts` prompts (a power of two) of `length`
+    prompt slots, `rows` rows each (a chunk's samples plus the mesh's padding)."""
+
+    prompts: int
+    rows: int
+    length: int
+
+
+def batch_shapes(
+    lengths: Sequence[int], num_samples: int, max_rows: int, mesh: Mesh | None = None
+) -> list[BatchShape]:
+    """The shapes of `decode`'s batches of prompts of these token `lengths`, in the order it runs them
+    (a batch's chunks of samples share its shape)."""
+    G = min(num_samples, max_rows)
+    shapes = []
+    for indices in batch_indices(lengths, num_samples, max_rows):
+        first = layouts_of(indices, num_samples, G, mesh)[0]
+        shapes.append(BatchShape(first.prompts, first.rows, bucket(max(lengths[i] for i in indices))))
+    return shapes
+
+
+INPUTS_LOCK = threading.Lock()
+"""Held while `compile_batch` places a batch's small inputs on device: a new shape's first placement
+compiles a little program (jax's `stage`), which threads placing the same shape at once would each
+compile."""
+
+
+def compile_batch(sampler: Sampler, request: Request, shape: BatchShape) -> None:
+    """Compile the programs `decode_batch` runs for a batch of `shape` (each model's prefill, the rows'
+    set-up, the token loop) without running them, from inputs as abstract as the batch's are concrete:
+    the batch then finds each in jax's caches. For a thread compiling ahead of the calls; `request` is
+    any request with the call's options (its prompts are not read)."""
+    layout = Layout((0,), shape.prompts, shape.rows, shape.rows)
+    with sampler.on_mesh():
+        with INPUTS_LOCK:
+            tokens, mask = padded([], shape.prompts, shape.length)
+            new = layout.new_rows(sampler.target, request)
+        inputs = (sampler.params, tokens, mask)
+        prefills = [loop.prefill.lower(m.graph, m.params, tokens, mask).compile() for m in sampler.models]
+        logits, caches = (outputs(tuple(c.out_info[i] for c in prefills), sampler, inputs) for i in (0, 1))
+        start = loop.init_state.lower(
+            logits, caches, sampler.controls, new, method=sampler.method, **sampler.capacities(request)
+        ).compile()
+        sampler.compiled_loop(outputs(start.out_info, sampler, (logits, new)), caches)
+
+
+def outputs(info: Any, sampler: Sampler, inputs: Any) -> Any:
+    """A compiled program's outputs (`out_info`) as its call returns them: committed to their shardings
+    (abstract values with a sharding) when the sampler has a mesh or an input was committed, else free
+    to move (without one), as jax places a program's outputs."""
+    committed = sampler.mesh is not None or any(
+        x.committed if isinstance(x, jax.Array) else getattr(x, "sharding", None) is not None
+        for x in jax.tree.leaves(inputs)
+        if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+    )
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None), info
+    )
 
 
 def samples_of(model: Model, host: DecodeState, stop: Sequence[str] = ()) -> list[Sample]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,8 +19,9 @@ from jaxsr.decoding.api import (
     speculative_decode,
     speculative_decoder,
 )
-from jaxsr.decoding.driver import Sampler, as_sampler, default_rows
-from jaxsr.decoding.inputs import Options, prepare
+from jaxsr.decoding.driver import Sampler, as_sampler, batch_shapes, compile_batch, default_rows
+from jaxsr.decoding.inputs import Options, Request, prepare
+from jaxsr.jobs.ahead import Programs
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.loading.resolve import mesh_from_keys, resolve_model, resolve_reward
 from jaxsr.models.model import Model
@@ -42,11 +44,14 @@ class Solver:
     """A job's method with its models loaded: `solve(prompts, indices, write)`, how many prompts
     a call takes, and `check(prompts) -> token counts`, which refuses (before any decoding) a prompt the
     method could not take — every prompt of the data, so that a bad one far down fails the job at its
-    start — and gives each prompt's length as the generator reads it (to batch prompts by length)."""
+    start — and gives each prompt's length as the generator reads it (to batch prompts by length).
+    `programs(token counts)`: the programs a call of prompts of those lengths runs, to compile ahead of
+    it (`jobs.ahead`); None where the method compiles as it goes (the searches)."""
 
     solve: Solve
     prompts_per_call: int
     check: Callable[[list[Any]], list[int]]
+    programs: Callable[[list[int]], Programs] | None = None
 
 
 SEARCH_CALL_ROUNDS = 16
@@ -132,7 +137,28 @@ def build_solver(config: JobConfig) -> Solver:
             raise ValueError(f"data: {config.data}: {e}") from None  # the i-th prompt of the data
         return [len(ids) for ids in request.encoded]
 
-    return Solver(solve, prompts_per_call(config, sampler), check)
+    programs = None if reward is not None else batch_programs(config, sampler, Options(**common))
+    return Solver(solve, prompts_per_call(config, sampler), check, programs)
+
+
+def batch_programs(config: JobConfig, sampler: Sampler, options: Options) -> Callable[[list[int]], Programs]:
+    """The programs of a decoding call (`generate` or a pair method) with these options: one set per
+    batch shape, compiled as `driver.decode` runs them."""
+
+    @functools.cache
+    def calls() -> tuple[Sampler, Request, int]:
+        """The calls' sampler, options and rows, as `decode_prompts` takes them (read when first asked,
+        after `check` took the options; the placeholder prompt is not read)."""
+        request = prepare(sampler.models, [[0]], options)
+        decoding = sampler.with_sampling(request.sampling)
+        return decoding, request, config.max_rows if config.max_rows is not None else default_rows(decoding)
+
+    def programs(lengths: list[int]) -> Programs:
+        decoding, request, max_rows = calls()
+        shapes = batch_shapes(lengths, config.num_samples, max_rows, decoding.mesh)
+        return {shape: functools.partial(compile_batch, decoding, request, shape) for shape in shapes}
+
+    return programs
 
 
 def search_call(config: JobConfig, model: Any, reward: Reward) -> Callable[..., list]:

@@ -39,6 +39,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxsr.data import Columns, read_records
+from jaxsr.jobs.ahead import CompileAhead, Programs, compile_workers
 from jaxsr.jobs.config import JobConfig
 from jaxsr.jobs.methods import Solve, Solver
 from jaxsr.jobs.progress import Progress
@@ -341,7 +342,8 @@ def run_job(config: JobConfig, build: Callable[[JobConfig], Solver], *, progress
             lengths = solver.check(prompts)
         source = provenance(config)
         shape = lambda i, result: output_record(result, records[i].fields, source, config)
-        work = Work(prompts, lengths, solver.solve, solver.prompts_per_call, config.max_new_tokens, shape)
+        per_call, budget = solver.prompts_per_call, config.max_new_tokens
+        work = Work(prompts, lengths, solver.solve, per_call, budget, shape, solver.programs)
         if processes == 1:
             _merge_parts(output, config)  # parts left by a multi-process run
             pending = [i for i in range(len(prompts)) if i not in output.done]
@@ -446,13 +448,17 @@ class Work:
     prompts_per_call: int
     max_new_tokens: int
     shape: Callable[[int, dict[str, Any]], dict[str, Any]]
+    programs: Callable[[list[int]], Programs] | None = None
+    """A call's programs by its prompts' token counts, compiled ahead of it (None: in the call)."""
 
 
 def _solve_into(output: JsonlOutput, pending: list[int], work: Work, report: Progress, done: int = 0) -> None:
     """Solve the `pending` prompts into `output`, by length: a call takes up to `prompts_per_call`
     prompts of one length bucket, so its batches pad little (each prompt keeps its index, and so its
     random streams and its record's place). Each record is written as soon as its prompt is done (a
-    search's as it ends; a batch's prompts end together) and carries its `index`."""
+    search's as it ends; a batch's prompts end together) and carries its `index`. The calls' programs
+    are compiled ahead of them (`jobs.ahead`) where the method says which they are; the seconds a call
+    waits for them count in its records' `compile_s`."""
     lengths = work.lengths
     pending = sorted(pending, key=lambda i: (bucket(lengths[i]), lengths[i]))
     calls = [
@@ -460,13 +466,33 @@ def _solve_into(output: JsonlOutput, pending: list[int], work: Work, report: Pro
         for _, same_bucket in itertools.groupby(pending, key=lambda i: bucket(lengths[i]))
         for chunk in chunks(list(same_bucket), work.prompts_per_call)
     ]
+    waited = 0.0
 
     def write(index: int, result: dict[str, Any]) -> None:
         start = time.perf_counter()
+        if waited and "compile_s" in result.get("stats", {}):  # this call's share of the wait
+            result["stats"]["compile_s"] += waited
         record = work.shape(index, result)
         output.write(index, record)
         report.wrote(index, record, time.perf_counter() - start)
 
     report.start({i: lengths[i] for i in pending}, work.max_new_tokens, done)
-    for chunk in calls:
-        work.solve([work.prompts[i] for i in chunk], chunk, write)
+    with _compiling_ahead(work, calls) as ahead:
+        for n, chunk in enumerate(calls):
+            waited = ahead.ready(n) / len(chunk) if ahead is not None else 0.0
+            work.solve([work.prompts[i] for i in chunk], chunk, write)
+
+
+@contextlib.contextmanager
+def _compiling_ahead(work: Work, calls: list[list[int]]) -> Iterator[CompileAhead | None]:
+    """The calls' programs compiling ahead on `compile_workers()` threads (None: each call compiles its
+    own, as a method without `programs` or JAXSR_COMPILE_WORKERS=0 does)."""
+    workers = compile_workers()
+    if work.programs is None or workers == 0 or not calls:
+        yield None
+        return
+    ahead = CompileAhead([work.programs([work.lengths[i] for i in chunk]) for chunk in calls], workers)
+    try:
+        yield ahead
+    finally:
+        ahead.close()

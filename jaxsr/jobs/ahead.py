@@ -1,0 +1,116 @@
+"""Compile a job's programs ahead of its calls. A job knows every call's shapes before the first runs,
+and XLA compiles a program on one core: worker threads (one per core beside the main thread's, by
+default, at a lower scheduling priority than the calls' own threads) compile the programs of the calls
+in the order the calls run while the main thread runs the earlier calls, so that a call finds its
+programs in jax's caches. Each set of programs (a batch shape) is compiled once. A call waits only for
+its own sets: the main thread compiles itself those no worker has begun and, while a worker compiles
+one it needs, the next ones no worker has begun, so no core idles while compiles are left. An error
+in compiling a set is raised by the call that needs it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from jaxsr import timing
+
+Programs = dict[Hashable, Callable[[], None]]
+"""A call's programs: each set under a key (calls with the same key share it) and what compiles it."""
+
+WORKERS_VARIABLE = "JAXSR_COMPILE_WORKERS"
+"""Environment variable: threads compiling ahead beside the main thread (0: each call compiles its own
+programs). Default: one fewer than the cores this process may use."""
+
+
+WORKER_NICENESS = 10
+"""How much lower than the main thread's a worker's scheduling priority is (`os.setpriority`)."""
+
+
+def compile_workers() -> int:
+    """Threads compiling ahead: `JAXSR_COMPILE_WORKERS`, else one per usable core but the main thread's."""
+    value = os.environ.get(WORKERS_VARIABLE, "").strip()
+    if value:
+        if not value.isdigit():
+            raise ValueError(f"{WORKERS_VARIABLE}: expected a number of threads >= 0, got {value!r}")
+        return int(value)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores - 1
+
+
+class CompileAhead:
+    """Compiles each call's programs (`calls[n]`, call n's) on `workers` threads, in call order."""
+
+    def __init__(self, calls: Sequence[Programs], workers: int):
+        self._compiles = {key: compile_ for programs in calls for key, compile_ in programs.items()}
+        self._calls = [list(programs) for programs in calls]
+        self._pool = ThreadPoolExecutor(
+            max(1, workers), thread_name_prefix="jaxsr-compile", initializer=_yield_to_the_calls
+        )
+        self._futures: dict[Hashable, Future] = {
+            key: self._pool.submit(_aside, compile_) for key, compile_ in self._compiles.items()
+        }
+
+    def ready(self, call: int) -> float:
+        """Wait until call `call`'s programs are compiled (raising what compiling one of them raised),
+        compiling here those no worker has begun, and while a worker compiles one, the next sets no
+        worker has begun (so no core idles while compiles are left); the seconds it took, counted as
+        compiling."""
+        start = time.time()
+        for key in self._calls[call]:
+            while not self._futures[key].done():
+                if not self._compile_here(key) and not self._compile_here(self._next_waiting()):
+                    futures.wait([self._futures[key]])
+            self._futures[key].result()
+        end = time.time()
+        if end > start:
+            timing.waited(start, end)
+        return end - start
+
+    def _compile_here(self, key: Hashable | None) -> bool:
+        """Compile `key`'s set on this thread if no worker has begun it (its error kept for the call
+        that needs it); whether it did."""
+        if key is None or not self._futures[key].cancel():
+            return False
+        self._futures[key] = _run(self._compiles[key])
+        return True
+
+    def _next_waiting(self) -> Hashable | None:
+        """The first set, in call order, that no thread has begun."""
+        return next(
+            (key for key, future in self._futures.items() if not future.running() and not future.done()), None
+        )
+
+    def close(self) -> None:
+        """Drop the compiles not yet begun (the job ended or failed); those under way finish aside."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _aside(compile_: Callable[[], None]) -> None:
+    with timing.compiling_aside():
+        compile_()
+
+
+def _yield_to_the_calls() -> None:
+    """Lower this worker thread's scheduling priority (Linux: niceness is per thread): the calls'
+    runtime threads then take the cores when they run, and the compiles the cycles they leave."""
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
+
+
+def _run(compile_: Callable[[], None]) -> Future:
+    """`compile_()` run on this thread, as a finished future (its error held for `result`)."""
+    future: Future = Future()
+    try:
+        compile_()
+    except Exception as e:
+        future.set_exception(e)
+    else:
+        future.set_result(None)
+    return future
