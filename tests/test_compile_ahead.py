@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import jax
 import pytest
 
 from jaxsr import timing
-from jaxsr.jobs.ahead import CompileAhead
+from jaxsr.jobs.ahead import CompileAhead, compile_workers
 from jaxsr.jobs.config import load_job_config
 from jaxsr.jobs.methods import Solver, build_solver
 from jaxsr.jobs.runner import run_job
@@ -202,3 +203,13 @@ def test_compiling_aside_is_not_a_stage_s_compiling_but_its_wait_is():
     time.sleep(0.2)  # a stage waiting for programs compiled aside
     timing.waited(start, start + 0.2)
     assert watch.split()[1] == pytest.approx(0.2)
+
+
+def test_the_workers_are_one_per_core_beside_the_main_thread_unless_told(monkeypatch):
+    monkeypatch.delenv("JAXSR_COMPILE_WORKERS", raising=False)
+    assert compile_workers() == len(os.sched_getaffinity(0)) - 1
+    monkeypatch.setenv("JAXSR_COMPILE_WORKERS", "0")
+    assert compile_workers() == 0
+    monkeypatch.setenv("JAXSR_COMPILE_WORKERS", "two")
+    with pytest.raises(ValueError, match="JAXSR_COMPILE_WORKERS"):
+        compile_workers()

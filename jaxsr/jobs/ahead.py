@@ -27,9 +27,8 @@ WORKERS_VARIABLE = "JAXSR_COMPILE_WORKERS"
 """Environment variable: threads compiling ahead beside the main thread (0: each call compiles its own
 programs). Default: one fewer than the cores this process may use."""
 
-
 WORKER_NICENESS = 10
-"""How much lower than the main thread's a worker's scheduling priority is (`os.setpriority`)."""
+"""How much nicer than the main thread a worker compiles (`os.setpriority`), until a call waits for it."""
 
 
 def compile_workers() -> int:
@@ -49,11 +48,13 @@ class CompileAhead:
     def __init__(self, calls: Sequence[Programs], workers: int):
         self._compiles = {key: compile_ for programs in calls for key, compile_ in programs.items()}
         self._calls = [list(programs) for programs in calls]
-        self._pool = ThreadPoolExecutor(
-            max(1, workers), thread_name_prefix="jaxsr-compile", initializer=_yield_to_the_calls
-        )
+        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="jaxsr-compile")
+        self._threads: dict[Hashable, int] = {}
+        """The worker compiling each set begun, by native thread id."""
+        self._niceness = _niceness()
+        """The main thread's (the calls')."""
         self._futures: dict[Hashable, Future] = {
-            key: self._pool.submit(_aside, compile_) for key, compile_ in self._compiles.items()
+            key: self._pool.submit(self._aside, key, compile_) for key, compile_ in self._compiles.items()
         }
 
     def ready(self, call: int) -> float:
@@ -65,6 +66,7 @@ class CompileAhead:
         for key in self._calls[call]:
             while not self._futures[key].done():
                 if not self._compile_here(key) and not self._compile_here(self._next_waiting()):
+                    _prioritize(self._threads.get(key), self._niceness)  # a call waits for it: not aside
                     futures.wait([self._futures[key]])
             self._futures[key].result()
         end = time.time()
@@ -90,18 +92,26 @@ class CompileAhead:
         """Drop the compiles not yet begun (the job ended or failed); those under way finish aside."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def _aside(self, key: Hashable, compile_: Callable[[], None]) -> None:
+        """Compile `key`'s set on a worker, at a lower scheduling priority than the calls' threads: they
+        take the cores when they run, the compiles the cycles they leave (until a call waits for it)."""
+        thread = threading.get_native_id()
+        _prioritize(thread, min(19, self._niceness + WORKER_NICENESS))
+        self._threads[key] = thread
+        with timing.compiling_aside():
+            compile_()
 
-def _aside(compile_: Callable[[], None]) -> None:
-    with timing.compiling_aside():
-        compile_()
+
+def _niceness() -> int:
+    """This thread's niceness (Linux; 0 elsewhere)."""
+    return os.getpriority(os.PRIO_PROCESS, 0) if sys.platform == "linux" else 0
 
 
-def _yield_to_the_calls() -> None:
-    """Lower this worker thread's scheduling priority (Linux: niceness is per thread): the calls'
-    runtime threads then take the cores when they run, and the compiles the cycles they leave."""
-    if sys.platform == "linux":
+def _prioritize(thread: int | None, niceness: int) -> None:
+    """Set a thread's niceness (Linux: per thread; raising a priority may be refused, and is skipped)."""
+    if thread is not None and sys.platform == "linux":
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
+            os.setpriority(os.PRIO_PROCESS, thread, niceness)
 
 
 def _run(compile_: Callable[[], None]) -> Future:
