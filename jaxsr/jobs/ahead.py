@@ -1,11 +1,10 @@
 """Compile a job's programs ahead of its calls. A job knows every call's shapes before the first runs,
-and XLA compiles a program on one core: worker threads (one per core beside the main thread's, by
-default, at a lower scheduling priority than the calls' own threads) compile the programs of the calls
-in the order the calls run while the main thread runs the earlier calls, so that a call finds its
-programs in jax's caches. Each set of programs (a batch shape) is compiled once. A call waits only for
-its own sets: the main thread compiles itself those no worker has begun and, while a worker compiles
-one it needs, the next ones no worker has begun, so no core idles while compiles are left. An error
-in compiling a set is raised by the call that needs it."""
+and XLA compiles a program on one core: worker threads (one per core by default, at a lower scheduling
+priority than the calls' own threads) compile the programs of the calls in the order the calls run
+while the main thread runs the earlier calls, so that a call finds its programs in jax's caches. Each
+set of programs (a batch shape) is compiled once. A call waits only for its own sets (their workers
+then compile at the calls' priority), and compiles itself those no worker has begun; an error in
+compiling a set is raised by the call that needs it."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from jaxsr import timing
@@ -24,22 +22,21 @@ Programs = dict[Hashable, Callable[[], None]]
 """A call's programs: each set under a key (calls with the same key share it) and what compiles it."""
 
 WORKERS_VARIABLE = "JAXSR_COMPILE_WORKERS"
-"""Environment variable: threads compiling ahead beside the main thread (0: each call compiles its own
-programs). Default: one fewer than the cores this process may use."""
+"""Environment variable: threads compiling ahead (0: each call compiles its own programs). Default: one
+per core this process may use."""
 
 WORKER_NICENESS = 10
 """How much nicer than the main thread a worker compiles (`os.setpriority`), until a call waits for it."""
 
 
 def compile_workers() -> int:
-    """Threads compiling ahead: `JAXSR_COMPILE_WORKERS`, else one per usable core but the main thread's."""
+    """Threads compiling ahead: `JAXSR_COMPILE_WORKERS`, else one per core this process may use."""
     value = os.environ.get(WORKERS_VARIABLE, "").strip()
     if value:
         if not value.isdigit():
             raise ValueError(f"{WORKERS_VARIABLE}: expected a number of threads >= 0, got {value!r}")
         return int(value)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores - 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class CompileAhead:
@@ -58,35 +55,19 @@ class CompileAhead:
         }
 
     def ready(self, call: int) -> float:
-        """Wait until call `call`'s programs are compiled (raising what compiling one of them raised),
-        compiling here those no worker has begun, and while a worker compiles one, the next sets no
-        worker has begun (so no core idles while compiles are left); the seconds it took, counted as
-        compiling."""
+        """Wait until call `call`'s programs are compiled, compiling here those no worker has begun
+        (raising what compiling one of them raised); the seconds it took, counted as compiling."""
         start = time.time()
         for key in self._calls[call]:
-            while not self._futures[key].done():
-                if not self._compile_here(key) and not self._compile_here(self._next_waiting()):
-                    _prioritize(self._threads.get(key), self._niceness)  # a call waits for it: not aside
-                    futures.wait([self._futures[key]])
+            if self._futures[key].cancel():  # not begun: compile it here rather than wait for a worker
+                self._futures[key] = _run(self._compiles[key])
+            elif not self._futures[key].done():  # a call waits for it: no longer aside
+                _prioritize(self._threads.get(key), self._niceness)
             self._futures[key].result()
         end = time.time()
         if end > start:
             timing.waited(start, end)
         return end - start
-
-    def _compile_here(self, key: Hashable | None) -> bool:
-        """Compile `key`'s set on this thread if no worker has begun it (its error kept for the call
-        that needs it); whether it did."""
-        if key is None or not self._futures[key].cancel():
-            return False
-        self._futures[key] = _run(self._compiles[key])
-        return True
-
-    def _next_waiting(self) -> Hashable | None:
-        """The first set, in call order, that no thread has begun."""
-        return next(
-            (key for key, future in self._futures.items() if not future.running() and not future.done()), None
-        )
 
     def close(self) -> None:
         """Drop the compiles not yet begun (the job ended or failed); those under way finish aside."""
