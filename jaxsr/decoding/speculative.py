@@ -112,7 +112,6 @@ class SpeculativeDecoding(Method):
         target_rows, draft_rows = state.rows
         keys = jax.vmap(lambda k: jax.random.split(k, 2 * g + 1))(keys_of(state))
         draft_keys, test_keys, final_keys = keys[:, :g], keys[:, g : 2 * g], keys[:, 2 * g]
-
         past, vocab = past_of(state, prompts[0]), vocab_of(graphs[0], params[0])
 
         def draft_one(carry, j):
