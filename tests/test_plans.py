@@ -97,10 +97,14 @@ def parameter_count(hf: dict) -> tuple[int, int]:
 
 
 def test_targets_are_named_as_google_cloud_names_slices():
-    assert V5E_8.chips == 8 and V5E_8.topology == "v5e:2x4"
-    assert target("v6e-16").topology == "v6e:4x4"
+    assert (V5E_8.chips, V5E_8.hosts, V5E_8.topology) == (8, 1, "v5e:2x4")
     assert (target("v5p-8").chips, target("v5p-8").topology) == (4, "v5p:2x2x1")  # v5p counts cores
-    assert target("v4-16").topology == "v4:2x2x2"
+    # a larger slice is hosts of 8 chips (v5e, v6e) or 4 (v5p, v4): a plan compiles for one host's
+    slices = [("v6e-16", 16, 2, "v6e:2x4"), ("v5e-64", 64, 8, "v5e:2x4"), ("v4-16", 8, 2, "v4:2x2x1"),
+              ("v5p-32", 16, 4, "v5p:2x2x1")]  # fmt: skip
+    for name, chips, hosts, host in slices:
+        slice_ = target(name)
+        assert (slice_.chips, slice_.hosts, slice_.topology, slice_.host.hosts) == (chips, hosts, host, 1)
     for bad in ("v5e", "v5e-3", "v5p-3", "h100-8", "v5e-x"):
         with pytest.raises(ValueError, match="target"):
             target(bad)
@@ -111,11 +115,14 @@ def test_gpu_targets_are_named_by_the_gpu_and_how_many_one_host_holds():
     assert target("a100-80x4").chips == 4 and target("h200x1").chip.hbm_bytes == 143771 * 2**20
     # a program gets the share of the GPU's memory JAX's allocator takes by default
     assert H100_8.chip.usable_bytes == int(0.75 * 81559 * 2**20)
-    for bad in ("h100x3", "h100x16", "h100x"):
-        with pytest.raises(ValueError, match=r"is no h100 host .*\(1, 2, 4, 8\)"):
+    assert (target("h100x16").hosts, target("h100x16").host.chips) == (2, 8)  # hosts of 8
+    for bad in ("h100x3", "h100x12", "h100x0", "h100x"):
+        with pytest.raises(
+            ValueError, match=r"is no h100 host .*\(1, 2, 4, 8\) on one host, or a multiple of 8"
+        ):
             target(bad)
     for bad in ("h100", "b200x8", "x8"):
-        with pytest.raises(ValueError, match=r"like v5e-8 or h100x8 .*GPU hosts a100-80xN, h100xN, h200xN"):
+        with pytest.raises(ValueError, match=r"like v5e-8 or h100x8 .*GPUs a100-80xN, h100xN, h200xN"):
             target(bad)
 
 
@@ -490,6 +497,23 @@ def test_a_jobs_plan_counts_its_reward_model_and_prints_and_writes_it(tmp_path, 
 def _peak(program: dict) -> int:
     keys = ("argument_bytes", "output_bytes", "temp_bytes", "code_bytes")
     return sum(program[k] for k in keys) - program["alias_bytes"]
+
+
+@needs_libtpu
+def test_a_slice_of_several_hosts_is_planned_as_one_hosts_job_process(tmp_path, capsys):
+    """A v4-16 is two hosts of 4 chips: each runs the job on its own chips (a mesh of `local_devices`),
+    so the programs are one host's and the job's tokens/s twice one host's."""
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text("model: smollm2-draft\nmax_new_tokens: 16\nmesh_data: -1\nmax_rows: 8\n")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(config_file), "--target", "v4-16", "--layers", "1", "--json", str(out)]) == 0
+    printed, plan = capsys.readouterr().out, json.loads(out.read_text())
+    assert plan["target"]["chips"] == 8 and plan["target"]["hosts"] == 2
+    assert plan["mesh"] == {"data": 4, "model": 1} and plan["rows"] == 8
+    step = plan["decode_step"]
+    assert step["job_tokens_per_s"] == pytest.approx(2 * step["tokens_per_s"]) and step["tokens_per_s"] > 0
+    assert "2 hosts of 4 chips: each runs a job process on its own chips" in printed
+    assert f"{step['job_tokens_per_s']:,.0f} on all 2" in printed
 
 
 @needs_libtpu

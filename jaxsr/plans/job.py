@@ -85,17 +85,20 @@ class JobPlan:
 
     def step(self) -> dict[str, float]:
         """A decode step's roofline on one chip: its work against the peak FLOP/s, its HBM traffic
-        against the bandwidth; the larger is a lower bound on the step's time."""
+        against the bandwidth; the larger is a lower bound on the step's time. Tokens/s are one host's
+        and, for a job over the target's hosts, all of theirs."""
         loop, chip = self.decode.program("decode_loop"), self.target.chip
         compute, memory = loop.flops / chip.bf16_flops, loop.bytes_accessed / chip.hbm_bytes_per_s
         seconds = max(compute, memory)
+        tokens_per_s = self.rows / seconds if seconds else 0.0
         return {
             "flops": loop.flops,
             "bytes": loop.bytes_accessed,
             "compute_s": compute,
             "memory_s": memory,
             "step_s": seconds,
-            "tokens_per_s": self.rows / seconds if seconds else 0.0,
+            "tokens_per_s": tokens_per_s,
+            "job_tokens_per_s": tokens_per_s * self.target.hosts,
         }
 
     def loop_all_gathers(self) -> int:

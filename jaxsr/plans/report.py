@@ -15,7 +15,12 @@ def plan_dict(plan: JobPlan) -> dict[str, Any]:
     """Everything the table shows, in bytes, FLOPs and seconds (JSON-ready)."""
     chip = plan.target.chip
     return {
-        "target": {"name": plan.target.name, **dataclasses.asdict(chip), "chips": plan.target.chips},
+        "target": {
+            "name": plan.target.name,
+            **dataclasses.asdict(chip),
+            "chips": plan.target.chips,
+            "hosts": plan.target.hosts,
+        },
         "method": plan.config.method,
         "models": {"model": plan.config.model, "draft": plan.config.draft, "reward": plan.config.reward},
         "dtype": plan.config.dtype,
@@ -47,6 +52,7 @@ def plan_table(plan: JobPlan) -> str:
         f"{plan.config.method} on {plan.target.name} ({plan.target.chips} × {chip.kind}, "
         f"{usable_memory(chip)}), mesh data={plan.mesh['data']} × "
         f"model={plan.mesh['model']}, {plan.config.dtype}, prompts of {plan.prompt_tokens} tokens{cut}",
+        *hosts_line(plan),
         "per device:",
         *(f"  parameters ({name}): {format_bytes(n)}" for name, n in plan.parameter_bytes.items()),
         f"  KV cache per row: {format_bytes(plan.kv_bytes_per_row)} (the batch's row caches, every model's)",
@@ -77,8 +83,24 @@ def plan_table(plan: JobPlan) -> str:
         f"{format_bytes(int(step['bytes']))} of HBM traffic -> {step['step_s'] * 1e3:.2f} ms "
         f"({'memory' if step['memory_s'] >= step['compute_s'] else 'compute'}-bound), "
         f"at most {step['tokens_per_s']:,.0f} tokens/s over {plan.rows} rows"
+        + (
+            f" a host, {step['job_tokens_per_s']:,.0f} on all {plan.target.hosts}"
+            if plan.target.hosts > 1
+            else ""
+        )
     )
     return "\n".join(lines)
+
+
+def hosts_line(plan: JobPlan) -> list[str]:
+    """How a slice of several hosts runs the job (nothing for one host)."""
+    target = plan.target
+    if target.hosts == 1:
+        return []
+    return [
+        f"{target.hosts} hosts of {target.host.chips} chips: each runs a job process on its own chips with "
+        "its share of the prompts (dealt out by token count); the figures below are one host's"
+    ]
 
 
 def usable_memory(chip: Chip) -> str:

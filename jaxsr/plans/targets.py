@@ -46,33 +46,38 @@ class Chip:
     """TensorCores the slice name counts per chip."""
     platform: str = "tpu"
     """jax's platform: `tpu`, or `cuda` (whose compiler does not refuse a program too big: a plan does)."""
+    host_chips: int = 4
+    """Chips one host (VM) holds: a larger slice is several hosts, each a job process of its own."""
 
 
 CHIPS: dict[str, Chip] = {
-    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16, "HBM2 capacity and bandwidth 16 GB, 819 GBps"
-    "v5e": Chip("v5e", 16 * GIB, int(15.75 * GIB), 197e12, 819e9),
-    # https://cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16, HBM 32 GB per chip, 1640 GBps
-    "v6e": Chip("v6e", 32 * GIB, int(31.25 * GIB), 918e12, 1640e9),
+    # https://cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16, "HBM2 capacity and bandwidth 16 GB, 819 GBps",
+    # 8 chips per host
+    "v5e": Chip("v5e", 16 * GIB, int(15.75 * GIB), 197e12, 819e9, host_chips=8),
+    # https://cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16, HBM 32 GB per chip, 1640 GBps, 8 chips per host
+    "v6e": Chip("v6e", 32 * GIB, int(31.25 * GIB), 918e12, 1640e9, host_chips=8),
     # https://cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16, HBM2e "95 GB" per chip, 2765 GBps; libtpu
     # gives one program 95.74 GiB of it, more than 95 GiB: the chip holds 96 GiB (the page rounds down)
     "v5p": Chip("v5p", 96 * GIB, int(95.74 * GIB), 459e12, 2765e9, cores_per_chip=2),
     # https://cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16, HBM2 32 GiB per chip, 1200 GBps
     "v4": Chip("v4", 32 * GIB, int(30.75 * GIB), 275e12, 1200e9, "megacore", cores_per_chip=2),
 }
-"""Datasheet figures from the Google Cloud TPU docs' system-architecture pages (URL beside each);
-`usable_bytes` as libtpu 0.0.42's out-of-memory refusals state it."""
+"""Datasheet figures from the Google Cloud TPU docs' system-architecture pages (URL beside each; v5p and
+v4 hosts hold 4 chips); `usable_bytes` as libtpu 0.0.42's out-of-memory refusals state it."""
 
 
 def gpu_chip(kind: str) -> Chip:
     """A GPU's figures (`gpus.GPUS`) as a plan's chip."""
     gpu = gpus.GPUS[kind]
     usable = int(gpu.memory_bytes * gpus.JAX_MEMORY_FRACTION)
-    return Chip(kind, gpu.memory_bytes, usable, gpu.bf16_flops, gpu.memory_bytes_per_s, platform="cuda")
+    return Chip(
+        kind, gpu.memory_bytes, usable, gpu.bf16_flops, gpu.memory_bytes_per_s, platform="cuda", host_chips=8
+    )
 
 
 CHIPS.update({kind: gpu_chip(kind) for kind in gpus.GPUS})
 GPU_COUNTS = (1, 2, 4, 8)
-"""GPUs of one host a plan describes."""
+"""GPUs of one host a plan describes; more are hosts of 8 (`h100x16`: two)."""
 
 TOPOLOGIES: dict[str, dict[int, str]] = {
     "v5e": {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"},
@@ -85,32 +90,47 @@ TOPOLOGIES: dict[str, dict[int, str]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A slice of `chips` chips of one kind, e.g. `v5e-8`."""
+    """A slice of `chips` chips of one kind, e.g. `v5e-8`, or GPUs on hosts of 8 (`h100x16`)."""
 
     name: str
     chip: Chip
     chips: int
 
     @property
+    def hosts(self) -> int:
+        """Hosts the chips are on: a job runs a process on each, on that host's chips alone (its mesh
+        of `jax.local_devices()`), with its share of the prompts."""
+        return -(-self.chips // self.chip.host_chips)
+
+    @property
+    def host(self) -> Target:
+        """One host's chips: what every program of a plan is compiled for."""
+        return dataclasses.replace(self, chips=min(self.chips, self.chip.host_chips))
+
+    @property
     def topology(self) -> str:
-        """libtpu's topology name, e.g. `v5e:2x4` (a TPU slice's)."""
-        return f"{self.chip.kind}:{TOPOLOGIES[self.chip.kind][self.chips]}"
+        """libtpu's topology name of one host's chips, e.g. `v5e:2x4` (a TPU slice's)."""
+        return f"{self.chip.kind}:{TOPOLOGIES[self.chip.kind][self.host.chips]}"
 
 
 def target_names() -> str:
     """The names `target` takes, for its errors."""
     tpus = ", ".join(f"{kind}-N" for kind in TOPOLOGIES)
     counts = "/".join(map(str, GPU_COUNTS))
-    return f"TPU slices {tpus}; GPU hosts {', '.join(f'{kind}xN' for kind in gpus.GPUS)} (N = {counts})"
+    gpu_names = ", ".join(f"{kind}xN" for kind in gpus.GPUS)
+    return f"TPU slices {tpus}; GPUs {gpu_names} (N = {counts}, or a multiple of 8: hosts of 8)"
 
 
 def target(name: str) -> Target:
-    """The slice a Cloud TPU name (`v5e-8`, `v6e-16`, `v5p-8`, `v4-8`) stands for, or the host of GPUs
-    a GPU name (`h100x8`, `h200x4`, `a100-80x8`) does."""
+    """The slice a Cloud TPU name (`v5e-8`, `v6e-16`, `v5p-8`, `v4-8`) stands for, or the GPUs a GPU
+    name (`h100x8`, `h200x4`, `a100-80x8`; `h100x16`: two hosts of 8) does."""
     kind, x, count = str(name).rpartition("x")
     if x and kind in gpus.GPUS:
-        if not count.isdigit() or int(count) not in GPU_COUNTS:
-            raise ValueError(f"target: {name} is no {kind} host this plan describes; GPUs: {GPU_COUNTS}")
+        if not count.isdigit() or not (int(count) in GPU_COUNTS or int(count) % 8 == 0 < int(count)):
+            raise ValueError(
+                f"target: {name} is no {kind} host this plan describes; GPUs: {GPU_COUNTS} on one host, "
+                "or a multiple of 8 on hosts of 8"
+            )
         return Target(str(name), CHIPS[kind], int(count))
     kind, _, count = str(name).partition("-")
     chip = CHIPS.get(kind)
@@ -136,12 +156,12 @@ def has_libtpu() -> bool:
 
 @functools.cache
 def target_devices(slice_: Target) -> tuple[jax.Device, ...]:
-    """The target's devices as libtpu or jax's CUDA plugin describes them (raises ImportError without
-    the one it needs)."""
+    """One host's devices of the target (all of them on one host) as libtpu or jax's CUDA plugin
+    describes them (raises ImportError without the one it needs)."""
     from jax.experimental import topologies
 
     if slice_.chip.platform == "cuda":
-        return gpus.cuda_devices(gpus.GPUS[slice_.chip.kind], slice_.chips)
+        return gpus.cuda_devices(gpus.GPUS[slice_.chip.kind], slice_.host.chips)
     if not has_libtpu():  # a clear error here rather than an opaque one from the backend
         raise ImportError(
             f"planning for a TPU needs libtpu: pip install 'jaxsr[plan]', or set {LIBRARY_ENV} to a libtpu.so"
@@ -159,5 +179,6 @@ def target_devices(slice_: Target) -> tuple[jax.Device, ...]:
 
 
 def target_mesh(slice_: Target, data: int = -1, model: int = 1) -> Mesh:
-    """A ('data', 'model') mesh of the slice's devices (`jaxsr.sharding.make_mesh`)."""
+    """A ('data', 'model') mesh of one host's devices of the slice (`jaxsr.sharding.make_mesh`), as
+    each of its job processes makes."""
     return make_mesh(data, model, target_devices(slice_))
