@@ -85,12 +85,12 @@ def report(output: str, directory: str | None) -> Path:
 
 
 def plan(
-    config_path: str, overrides: list[str], target_name: str, prompt_tokens: int, layers: int | None,
-    json_path: str | None,
-) -> str:  # fmt: skip
-    """A job's plan for a TPU slice or a GPU host as a table (and as JSON at `json_path`)."""
+    config_path: str, overrides: list[str], target_name: str, json_path: str | None, **planning: Any
+) -> str:
+    """A job's plan for a TPU slice or a GPU host as a table (and as JSON at `json_path`); `planning`:
+    `plan_job`'s prompt_tokens, layers and all_rungs."""
     quiet_libtpu(target_name)
-    job = plan_job(load_job_config(config_path, overrides), target(target_name), prompt_tokens, layers)
+    job = plan_job(load_job_config(config_path, overrides), target(target_name), **planning)
     if json_path is not None:
         Path(json_path).expanduser().write_text(json.dumps(plan_dict(job), indent=2) + "\n")
     return plan_table(job)
@@ -205,14 +205,20 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument(
         "--target",
         required=True,
-        help="a Cloud TPU slice (v5e-8, v6e-16, v5p-8, v4-8, ...) or NVIDIA GPUs of one host: h100x8, "
-        "h200x8, a100-80x8 (x1, x2, x4 too)",
+        help="a Cloud TPU slice (v5e-8, v6e-16, v5p-8, v4-8, ...; several hosts: one host's job process "
+        "is planned) or NVIDIA GPUs: h100x8, h200x8, a100-80x8 (x1, x2, x4 too; x16: two hosts of 8)",
     )
     plan_parser.add_argument(
         "--prompt-tokens", type=int, default=128, metavar="T", help="prompt length planned for (default 128)"
     )
     plan_parser.add_argument(
         "--layers", type=int, metavar="L", help="cut every model to L layers (a quick look)"
+    )
+    plan_parser.add_argument(
+        "--all-rungs",
+        action="store_true",
+        help="compile every Speculative Rejection rung's decode loop (by default those after the first "
+        "whose caches hold every token are left out: the same caches in fewer rows)",
     )
     plan_parser.add_argument("--json", metavar="PATH", help="write the plan as JSON too")
     args, extra = parser.parse_known_args(argv)
@@ -238,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "report":
             print(report(args.output, args.dir))
         elif args.command == "plan":
-            print(plan(args.config, args.overrides, args.target, args.prompt_tokens, args.layers, args.json))
+            planning = {
+                "prompt_tokens": args.prompt_tokens,
+                "layers": args.layers,
+                "all_rungs": args.all_rungs,
+            }
+            print(plan(args.config, args.overrides, args.target, args.json, **planning))
         elif args.command == "train":
             load, train = TRAINERS[args.stage][:2]
             print(train(load(args.config, args.overrides), progress=not args.no_progress))

@@ -36,7 +36,7 @@ from jaxsr.plans import (
     target_mesh,
 )
 from jaxsr.plans.compiled import abstract_tokens, compile_for
-from jaxsr.plans.job import first_rung, job_sampler
+from jaxsr.plans.job import dominated, first_rung, job_sampler
 from jaxsr.plans.targets import LIBRARY_ENV, has_libtpu
 from jaxsr.search import memory
 from jaxsr.sharding import on_mesh
@@ -476,6 +476,7 @@ def test_a_jobs_plan_counts_its_reward_model_and_prints_and_writes_it(tmp_path, 
         "segment": None,
         "next_rows": None,
         "next_segment": None,
+        "rungs": [],
     }
     names = [p["name"] for p in plan["programs"]]
     assert names == ["prefill", "start", "decode_loop", "reward_scores"]
@@ -514,6 +515,56 @@ def test_a_slice_of_several_hosts_is_planned_as_one_hosts_job_process(tmp_path, 
     assert step["job_tokens_per_s"] == pytest.approx(2 * step["tokens_per_s"]) and step["tokens_per_s"] > 0
     assert "2 hosts of 4 chips: each runs a job process on its own chips" in printed
     assert f"{step['job_tokens_per_s']:,.0f} on all 2" in printed
+
+
+def test_a_later_rung_is_left_out_only_where_a_compiled_rung_holds_more_rows_and_slots():
+    # the first rung's 16-slot rows, the next's 255, then every token (512 slots) in ever fewer rows
+    batch = Batch(4, 6820, 128, 512, 16, rungs=((3412, 255), (1708, 512), (852, 512), (4, 512)))
+    kept, skipped = dominated(batch, 40, all_rungs=False)
+    assert kept.rungs == ((3412, 255),) and skipped == ((1708, 512), (852, 512), (4, 512))
+    # without working memory counted, 1708 rows of 512 slots hold more slots than 3412 rows of 255
+    assert dominated(batch, 0, all_rungs=False)[0].rungs == ((3412, 255), (1708, 512))
+    assert dominated(batch, 40, all_rungs=True) == (batch, ())
+
+
+@needs_cuda_plan
+def test_an_sr_plan_compiles_the_later_rungs_decode_loops_at_their_shapes(tmp_path, capsys):
+    """Speculative Rejection decodes each rung in a loop of its own shape: the plan compiles the next
+    rung's, leaves out rungs it dominates, and with --all-rungs compiles every one, its rows' caches as
+    the decisions' compaction leaves them."""
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(
+        "method: speculative_rejection\nmodel: smollm2-draft\nreward: self_likelihood\nmax_new_tokens: 64\n"
+        "n: 8\nmemory_budget: 400\nconcurrent_prompts: 2\nmesh_data: 1\nmin_first_segment: 8\n"
+    )
+    out = tmp_path / "plan.json"
+    argv = ["plan", str(config_file), "--target", "h100x1", "--layers", "1", "--json", str(out)]
+    assert main(argv) == 0
+    plan = json.loads(out.read_text())
+    # 8 rows of 32 slots, then 4, 2 and 1 rows of every token's 64 slots in the 272 slots a prompt has;
+    # a row's working memory (a 49152-token vocabulary's logits) outweighs a 1-layer model's slots, so
+    # the first rung holds the most memory of all
+    assert (plan["batch"]["rows"], plan["batch"]["segment"]) == (8, 32)
+    assert plan["batch"]["rungs"] == [] and plan["skipped_rungs"] == [[4, 64], [2, 64], [1, 64]]
+    assert not any(p["name"].startswith("decode_loop_rung") for p in plan["programs"])
+    assert "later rungs not compiled (--all-rungs compiles them): 4×64, 2×64, 1×64" in capsys.readouterr().out
+    assert main([*argv, "--all-rungs"]) == 0
+    plan = json.loads(out.read_text())
+    programs = {p["name"]: p for p in plan["programs"]}
+    assert [p for p in programs if p.startswith("decode_loop_rung")] == [
+        f"decode_loop_rung{n}" for n in (2, 3, 4)
+    ]
+    # inputs grow by each row's K and V slots (a GPU's arrays are not padded to tiles as a TPU's are)
+    # and its other fields: rungs 2 and 3 (4 and 2 rows of 64 slots, 2 prompts) give a row's fields,
+    # and so the first rung's inputs (8 rows of 32 slots) and rung 4's (1 row)
+    args = {name: programs[name]["argument_bytes"] for name in programs}
+    slot, prompts = plan["kv_bytes_per_row"] // 32, 2
+    row = (args["decode_loop_rung2"] - args["decode_loop_rung3"]) // (prompts * 2) - 64 * slot
+    at = lambda rows, slots: (
+        args["decode_loop_rung3"] + prompts * (rows * (slots * slot + row) - 2 * (64 * slot + row))
+    )
+    assert 0 < row < 64 * slot  # a row's tokens, counters and flags
+    assert args["decode_loop"] == at(8, 32) and args["decode_loop_rung4"] == at(1, 64)
 
 
 @needs_libtpu

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -43,6 +44,9 @@ class Batch:
     segment: int | None = None
     next_rows: int | None = None
     next_segment: int | None = None
+    rungs: tuple[tuple[int, int], ...] = ()
+    """Speculative Rejection's later rungs, (rows, segment) each: every prompt's survivors decoded
+    together in a decode loop of their own shape."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,26 +173,49 @@ def plan_batch(model: Model | Sampler, target: Target, batch: Batch) -> Plan:
     sampler = as_sampler(model, None)  # a sampler as it samples; a model with the defaults
     tokens = abstract_tokens(sampler.mesh, batch.prompts, batch.prompt_slots, PartitionSpec())
     names = ["prefill", *(f"prefill_{role}" for role in sampler.roles[1:])]
-    with sampler.on_mesh():
-        prefills = [
-            compile_for(
-                target, name, lambda m=m: loop.prefill.lower(m.graph, m.params, tokens, tokens).compile()
-            )
-            for name, m in zip(names, sampler.models, strict=True)
-        ]
-        logits, caches = (tuple(c.out_info[i] for c, _ in prefills) for i in (0, 1))
-        start_c, start = compile_for(
-            target, "start", lambda: _start(sampler, batch).lower(logits, caches).compile()
-        )
-        _, decode = compile_for(
-            target, "decode_loop", lambda: sampler.compiled_loop(start_c.out_info, caches)
-        )
-        programs = (*(p for _, p in prefills), start, decode)
-        if batch.next_rows is not None:
-            one = one_prompt(start_c.out_info, batch.rows)
-            programs += (compile_for(target, "compact", lambda: _compaction(sampler, batch, one))[1],)
-    rows = bytes_per_device([cache.replace(length=()) for cache in start_c.out_info.rows])  # scales too
+    prefill = lambda m: lambda: loop.prefill.lower(m.graph, m.params, tokens, tokens).compile()
+    models = dict(zip(names, sampler.models, strict=True))
+    prefills = together(target, sampler.on_mesh, {name: prefill(m) for name, m in models.items()})
+    logits, caches = (tuple(c.out_info[i] for c, _ in prefills) for i in (0, 1))
+    start = lambda: _start(sampler, batch).lower(logits, caches).compile()
+    [(start_c, started)] = together(target, sampler.on_mesh, {"start": start})
+    state = start_c.out_info
+    after = {"decode_loop": lambda: sampler.compiled_loop(state, caches)}
+    if batch.next_rows is not None:
+        after["compact"] = lambda: _compaction(sampler, batch, one_prompt(state, batch.rows))
+    after |= later_rungs(sampler, batch, state, caches)
+    decoding = together(target, sampler.on_mesh, after)
+    programs = (*(p for _, p in prefills), started, *(p for _, p in decoding))
+    rows = bytes_per_device([cache.replace(length=()) for cache in state.rows])  # scales too
     return Plan(target, batch, bytes_per_device(sampler.params), programs, rows)
+
+
+def together(
+    target: Target, on_mesh: Callable[[], Any], compiles: dict[str, Callable[[], Any]]
+) -> list[tuple[Any, Program]]:
+    """`compile_for` of each named program in order, on the models' mesh."""
+    with on_mesh():
+        return [compile_for(target, name, compile_) for name, compile_ in compiles.items()]
+
+
+def later_rungs(
+    sampler: Sampler, batch: Batch, state: DecodeState, caches: tuple
+) -> dict[str, Callable[[], Any]]:
+    """The decode loop of each of `batch.rungs` (`decode_loop_rung2`, ...) to compile, its state shaped
+    as the decisions' compaction leaves it from the first rung's `state`."""
+    rung = lambda rows, segment: rung_state(state, batch.prompts * rows, segment + sampler.headroom)
+    loop_at = lambda rows, segment: lambda: sampler.compiled_loop(rung(rows, segment), caches)
+    return {f"decode_loop_rung{n}": loop_at(*shape) for n, shape in enumerate(batch.rungs, start=2)}
+
+
+def rung_state(state: DecodeState, rows: int, capacity: int) -> DecodeState:
+    """An abstract decode state of `rows` rows with row caches of `capacity` slots, as `compact` leaves
+    one from `state` (and placed as its fields are)."""
+    index = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    alive = jax.ShapeDtypeStruct((rows,), jnp.bool_)
+    shaped = jax.eval_shape(partial(compact, cache_capacity=capacity), state, index, alive)
+    placed = lambda x, like: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like.sharding)
+    return jax.tree.map(placed, shaped, state)
 
 
 def one_prompt(state: DecodeState, rows: int) -> DecodeState:

@@ -58,6 +58,8 @@ class JobPlan:
     """The reward model's scoring of `reward_rows` responses of `reward_length` tokens, or None."""
     reward_rows: int = 0
     reward_length: int = 0
+    skipped_rungs: tuple[tuple[int, int], ...] = ()
+    """Speculative Rejection's later rungs (rows per prompt, segment) not compiled (`dominated`)."""
 
     @property
     def rows(self) -> int:
@@ -107,10 +109,16 @@ class JobPlan:
 
 
 def plan_job(
-    config: JobConfig, target: Target, prompt_tokens: int = 128, layers: int | None = None
+    config: JobConfig,
+    target: Target,
+    prompt_tokens: int = 128,
+    layers: int | None = None,
+    all_rungs: bool = False,
 ) -> JobPlan:
     """Compile `config`'s programs for `target` at the batch jaxsr would decode there, for prompts of
-    `prompt_tokens` tokens; `layers` cuts every model to that many layers (quick, for a look)."""
+    `prompt_tokens` tokens; `layers` cuts every model to that many layers (quick, for a look);
+    `all_rungs` compiles every Speculative Rejection rung's decode loop (else `dominated` ones are
+    left out)."""
     mesh = target_mesh(target, config.mesh_data or 1, config.mesh_model)
     sampler = job_sampler(config, mesh, layers)
     reward = job_reward_model(config, mesh, layers)
@@ -130,15 +138,41 @@ def plan_job(
         free = target.chip.usable_bytes - resident
         budget = int(free * DEVICE_HEADROOM) // sampler.slot_bytes
     batch = job_batch(config, sampler, budget, prompt_slots)
+    batch, skipped = dominated(batch, row_reserve(sampler, True), all_rungs)
     decode = plan_batch(sampler, target, batch)
-    plan = JobPlan(config, target, dict(mesh.shape), prompt_slots, layers, parameters, budget, decode, None)
+    program, rows, length = reward_scoring(reward, config, target, prompt_slots)
+    return JobPlan(
+        config, target, dict(mesh.shape), prompt_slots, layers, parameters, budget, decode, program,
+        rows, length, skipped,
+    )  # fmt: skip
+
+
+def reward_scoring(
+    reward: RewardModel | None, config: JobConfig, target: Target, prompt_slots: int
+) -> tuple[Program | None, int, int]:
+    """The reward model's scoring program compiled for the job's responses, with its batch's rows and
+    length (None, 0, 0 without a reward model)."""
     if reward is None:
-        return plan
-    rows = padded_rows(fine_bucket(REWARD_ACCELERATED_BATCH), mesh)
+        return None, 0, 0
+    rows = padded_rows(fine_bucket(REWARD_ACCELERATED_BATCH), reward.mesh)
     length = min(fine_bucket(prompt_slots + bucket(config.max_new_tokens), 16), reward.config.context)
-    return dataclasses.replace(
-        plan, reward=plan_scores(reward, target, rows, length), reward_rows=rows, reward_length=length
-    )
+    return plan_scores(reward, target, rows, length), rows, length
+
+
+def dominated(batch: Batch, reserve: int, all_rungs: bool) -> tuple[Batch, tuple[tuple[int, int], ...]]:
+    """`batch` with only the later rungs a plan compiles, and the rungs it leaves out (none with
+    `all_rungs`): a rung with no more rows, nor slots in all (each row's segment and its `reserve`:
+    look-ahead and the decode step's working memory, `row_reserve`), than a rung compiled before it
+    needs no more memory — caches, state and temporaries grow with one or the other."""
+    compiled, kept, skipped = [(batch.rows, batch.segment)], [], []
+    for rows, segment in batch.rungs:
+        slots = rows * (segment + reserve)
+        if not all_rungs and any(rows <= r and slots <= r * (s + reserve) for r, s in compiled):
+            skipped.append((rows, segment))
+        else:
+            kept.append((rows, segment))
+            compiled.append((rows, segment))
+    return dataclasses.replace(batch, rungs=tuple(kept)), tuple(skipped)
 
 
 def cut(hf_config: dict[str, Any], layers: int | None) -> dict[str, Any]:
@@ -211,7 +245,8 @@ def job_batch(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: in
 
 def first_rung(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: int) -> Batch:
     """Speculative Rejection's first rows of `concurrent_prompts` searches in one batch, each within
-    its share of `budget` (`prompt_budget`: a derived budget counts every `data` shard)."""
+    its share of `budget` (`prompt_budget`: a derived budget counts every `data` shard), with the
+    later rungs' shapes (`Batch.rungs`, each once)."""
     reserve, copies = row_reserve(sampler, config.memory_budget is None), config.concurrent_prompts
     if config.memory_budget is None:
         row = bucket(config.max_new_tokens) + reserve
@@ -222,7 +257,8 @@ def first_rung(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: i
     )  # fmt: skip
     first, *later = memory.ladder
     rows, new = padded_rows(first, sampler.mesh), config.max_new_tokens
-    batch = Batch(copies, rows, prompt_slots, new, memory.capacity(first))
+    rungs = tuple(dict.fromkeys((padded_rows(r, sampler.mesh), memory.capacity(r)) for r in later))
+    batch = Batch(copies, rows, prompt_slots, new, memory.capacity(first), rungs=rungs)
     if not later:
         return batch
     # the first decision: one prompt's survivors gathered into the next rung

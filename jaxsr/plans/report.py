@@ -27,6 +27,7 @@ def plan_dict(plan: JobPlan) -> dict[str, Any]:
         "mesh": plan.mesh,
         "prompt_tokens": plan.prompt_tokens,
         "layers": plan.layers,
+        "skipped_rungs": plan.skipped_rungs,
         "parameter_bytes": plan.parameter_bytes,
         "budget_slots": plan.budget_slots,
         "batch": dataclasses.asdict(plan.decode.batch),
@@ -66,6 +67,7 @@ def plan_table(plan: JobPlan) -> str:
             f"({peak / chip.usable_bytes:.0%}; temporaries {format_bytes(program.temp_bytes)}), "
             f"compiled in {program.compile_s:.1f} s"
         )
+    lines += rungs_lines(plan)
     if plan.reward is not None:
         lines.append(f"  reward scoring batch: {plan.reward_rows} responses × {plan.reward_length} tokens")
     lines += [
@@ -90,6 +92,21 @@ def plan_table(plan: JobPlan) -> str:
         )
     )
     return "\n".join(lines)
+
+
+def rungs_lines(plan: JobPlan) -> list[str]:
+    """Speculative Rejection's later rungs: their shapes, and those left out (`job.dominated`)."""
+    batch = plan.decode.batch
+    if not batch.rungs and not plan.skipped_rungs:
+        return []
+    shapes = lambda rungs: ", ".join(f"{rows}×{segment}" for rows, segment in rungs)
+    lines = [f"  later rungs compiled (rows a prompt × slots a row): {shapes(batch.rungs) or 'none'}"]
+    if plan.skipped_rungs:
+        lines.append(
+            f"  later rungs not compiled (--all-rungs compiles them): {shapes(plan.skipped_rungs)}; each "
+            "holds no more rows, nor cache slots in all, than a compiled one"
+        )
+    return lines
 
 
 def hosts_line(plan: JobPlan) -> list[str]:
