@@ -385,6 +385,23 @@ def test_top_k_sampling_over_a_split_vocabulary_gathers_no_rows_across_data_shar
 
 
 @needs_libtpu
+def test_top_k_sampling_on_a_tpu_runs_the_tpus_own_top_k():
+    """A TPU pads the blocked search's [blocks, 64] tiles to 128 lanes and holds its padded copy of the
+    scores: there the token loop runs XLA's own top-k, which holds less (CPU and GPU keep the search)."""
+    model = abstract_model(LLAMA_31_8B_2_LAYERS, target_mesh(V5E_8, data=8, model=1))
+    sampler = as_sampler(model, SamplingConfig(temperature=1.0, top_k=50, top_p=1.0))
+    batch = Batch(prompts=1, rows=512, prompt_slots=128, max_new_tokens=32)
+    own = plan_batch(sampler, V5E_8, batch).program("decode_loop")
+    with pytest.MonkeyPatch.context() as patch:  # the blocked search everywhere, as before
+        patch.setattr(jax.lax, "platform_dependent", lambda *args, default, **_: default(*args))
+        jax.clear_caches()  # traced anew
+        blocked = plan_batch(sampler, V5E_8, batch).program("decode_loop")
+    jax.clear_caches()
+    scores = 512 // 8 * LLAMA_31_8B_2_LAYERS["vocab_size"] * 4  # a device's float32 scores
+    assert blocked.temp_bytes - own.temp_bytes > scores, (blocked.temp_bytes, own.temp_bytes)
+
+
+@needs_libtpu
 @needs_cuda_plan
 @pytest.mark.slow
 def test_gpu_counts_agree_with_the_tpu_cost_analysis_of_the_same_program():
@@ -517,14 +534,22 @@ def test_a_slice_of_several_hosts_is_planned_as_one_hosts_job_process(tmp_path, 
     assert f"{step['job_tokens_per_s']:,.0f} on all 2" in printed
 
 
-def test_a_later_rung_is_left_out_only_where_a_compiled_rung_holds_more_rows_and_slots():
-    # the first rung's 16-slot rows, the next's 255, then every token (512 slots) in ever fewer rows
+def test_a_later_rung_is_left_out_only_where_compiled_rungs_hold_more_rows_and_slots_between_them():
+    # (rows, slots): the first rung's 16-slot rows, then ever fewer, longer rows: 1708 rows of 512
+    # slots hold more slots than 3412 of 255, and the rungs of 512 after it fewer rows and slots
     batch = Batch(4, 6820, 128, 512, 16, rungs=((3412, 255), (1708, 512), (852, 512), (4, 512)))
-    kept, skipped = dominated(batch, 40, all_rungs=False)
-    assert kept.rungs == ((3412, 255),) and skipped == ((1708, 512), (852, 512), (4, 512))
-    # without working memory counted, 1708 rows of 512 slots hold more slots than 3412 rows of 255
-    assert dominated(batch, 0, all_rungs=False)[0].rungs == ((3412, 255), (1708, 512))
-    assert dominated(batch, 40, all_rungs=True) == (batch, ())
+    kept, skipped = dominated(batch, 0, all_rungs=False)
+    assert kept.rungs == ((3412, 255), (1708, 512)) and skipped == ((852, 512), (4, 512))
+    assert dominated(batch, 0, all_rungs=True) == (batch, ())
+    # a v5e-8's ladder: 692 rows of 44 slots have fewer rows and slots than 0.53 of the first rung
+    # (1384 × 16) and 0.47 of 88 rows of 453, and so do 348 × 102 and 176 × 218
+    batch = Batch(4, 1384, 128, 512, 16, rungs=((692, 44), (348, 102), (176, 218), (88, 453), (44, 512)))
+    kept, skipped = dominated(batch, 0, all_rungs=False)
+    assert kept.rungs == ((88, 453),) and skipped == ((692, 44), (348, 102), (176, 218), (44, 512))
+    # a look-ahead's slots count: 4 rows of 20 hold more than 8 rows of 8, not than 8 of 8 + 8
+    batch = Batch(1, 8, 128, 64, 8, rungs=((4, 20),))
+    assert dominated(batch, 0, all_rungs=False)[0].rungs == ((4, 20),)
+    assert dominated(batch, 8, all_rungs=False)[1] == ((4, 20),)
 
 
 @needs_cuda_plan
@@ -541,13 +566,15 @@ def test_an_sr_plan_compiles_the_later_rungs_decode_loops_at_their_shapes(tmp_pa
     argv = ["plan", str(config_file), "--target", "h100x1", "--layers", "1", "--json", str(out)]
     assert main(argv) == 0
     plan = json.loads(out.read_text())
-    # 8 rows of 32 slots, then 4, 2 and 1 rows of every token's 64 slots in the 272 slots a prompt has;
-    # a row's working memory (a 49152-token vocabulary's logits) outweighs a 1-layer model's slots, so
-    # the first rung holds the most memory of all
+    # 8 rows of 32 slots, then 4, 2 and 1 rows of every token's 64 slots in the 272 slots a prompt has:
+    # none holds more rows or slots than the first
     assert (plan["batch"]["rows"], plan["batch"]["segment"]) == (8, 32)
     assert plan["batch"]["rungs"] == [] and plan["skipped_rungs"] == [[4, 64], [2, 64], [1, 64]]
     assert not any(p["name"].startswith("decode_loop_rung") for p in plan["programs"])
-    assert "later rungs not compiled (--all-rungs compiles them): 4×64, 2×64, 1×64" in capsys.readouterr().out
+    assert (
+        "later rungs not compiled (--all-rungs compiles them): 4×64, 2×64, 1×64; a mix"
+        in capsys.readouterr().out
+    )
     assert main([*argv, "--all-rungs"]) == 0
     plan = json.loads(out.read_text())
     programs = {p["name"]: p for p in plan["programs"]}

@@ -307,8 +307,12 @@ TOP_K_BLOCK = 64
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k` over the last axis of row-led `x`, each `data` shard's rows on their own
-    (`sharding.per_row_shard`: XLA GPU's top-k cannot split by rows and would gather them all)."""
-    return per_row_shard(partial(_blocked_top_k, k=k), x)
+    (`sharding.per_row_shard`: XLA GPU's top-k cannot split by rows and would gather them all). A TPU
+    runs its own top-k: the blocked search's padded copy and [blocks, 64] tiles (a TPU pads the 64 to
+    128) held 3 times the scores' bytes (4.2 against 1.4 GB for 4772 rows of a 75968-token shard)."""
+    own = lambda x: tuple(jax.lax.top_k(x, k))
+    search = partial(jax.lax.platform_dependent, tpu=own, default=partial(_blocked_top_k, k=k))
+    return per_row_shard(search, x)
 
 
 def _blocked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -319,7 +323,7 @@ def _blocked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     V = x.shape[-1]
     blocks = -(-V // TOP_K_BLOCK)
     if blocks <= 2 * k:
-        return jax.lax.top_k(x, k)
+        return tuple(jax.lax.top_k(x, k))
     lead = x.shape[:-1]
     fill = jnp.full((*lead, blocks * TOP_K_BLOCK - V), -jnp.inf, x.dtype)
     tiled = jnp.concatenate([x, fill], axis=-1).reshape(*lead, blocks, TOP_K_BLOCK)

@@ -138,7 +138,7 @@ def plan_job(
         free = target.chip.usable_bytes - resident
         budget = int(free * DEVICE_HEADROOM) // sampler.slot_bytes
     batch = job_batch(config, sampler, budget, prompt_slots)
-    batch, skipped = dominated(batch, row_reserve(sampler, True), all_rungs)
+    batch, skipped = dominated(batch, sampler.headroom, all_rungs)
     decode = plan_batch(sampler, target, batch)
     program, rows, length = reward_scoring(reward, config, target, prompt_slots)
     return JobPlan(
@@ -159,20 +159,40 @@ def reward_scoring(
     return plan_scores(reward, target, rows, length), rows, length
 
 
-def dominated(batch: Batch, reserve: int, all_rungs: bool) -> tuple[Batch, tuple[tuple[int, int], ...]]:
+def dominated(batch: Batch, headroom: int, all_rungs: bool) -> tuple[Batch, tuple[tuple[int, int], ...]]:
     """`batch` with only the later rungs a plan compiles, and the rungs it leaves out (none with
-    `all_rungs`): a rung with no more rows, nor slots in all (each row's segment and its `reserve`:
-    look-ahead and the decode step's working memory, `row_reserve`), than a rung compiled before it
-    needs no more memory — caches, state and temporaries grow with one or the other."""
-    compiled, kept, skipped = [(batch.rows, batch.segment)], [], []
-    for rows, segment in batch.rungs:
-        slots = rows * (segment + reserve)
-        if not all_rungs and any(rows <= r and slots <= r * (s + reserve) for r, s in compiled):
-            skipped.append((rows, segment))
-        else:
-            kept.append((rows, segment))
-            compiled.append((rows, segment))
-    return dataclasses.replace(batch, rungs=tuple(kept)), tuple(skipped)
+    `all_rungs`). A program's buffers grow with a rung's rows (state, working memory) or with its
+    cache slots in all (rows × (segment + `headroom`): caches, attention), so its memory is at most the
+    larger of two rungs' where a mix of theirs has as many rows and slots: only the rungs at the
+    corners of the upper-right convex hull of (rows, slots), first rung included, are compiled."""
+    if not batch.rungs:
+        return batch, ()
+    points = [
+        (rows, rows * (segment + headroom)) for rows, segment in ((batch.rows, batch.segment), *batch.rungs)
+    ]
+    corners = upper_right_hull(points)
+    kept = [
+        rung for rung, point in zip(batch.rungs, points[1:], strict=True) if all_rungs or point in corners
+    ]
+    skipped = tuple(rung for rung in batch.rungs if rung not in kept)
+    return dataclasses.replace(batch, rungs=tuple(kept)), skipped
+
+
+def upper_right_hull(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The corners of the convex hull of `points` that a weighted sum with weights ≥ 0 can peak at: the
+    upper hull from its highest point to its rightmost."""
+    hull: list[tuple[int, int]] = []
+    for x, y in sorted(set(points)):
+        while len(hull) >= 2 and _turn(hull[-2], hull[-1], (x, y)) >= 0:
+            hull.pop()  # on or under the chord from hull[-2] to (x, y)
+        hull.append((x, y))
+    top = max(range(len(hull)), key=lambda i: (hull[i][1], hull[i][0]))
+    return hull[top:]
+
+
+def _turn(o: tuple[int, int], a: tuple[int, int], b: tuple[int, int]) -> int:
+    """> 0 where o → a → b turns left (counter-clockwise)."""
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
 
 
 def cut(hf_config: dict[str, Any], layers: int | None) -> dict[str, Any]:

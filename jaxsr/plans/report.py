@@ -103,8 +103,8 @@ def rungs_lines(plan: JobPlan) -> list[str]:
     lines = [f"  later rungs compiled (rows a prompt × slots a row): {shapes(batch.rungs) or 'none'}"]
     if plan.skipped_rungs:
         lines.append(
-            f"  later rungs not compiled (--all-rungs compiles them): {shapes(plan.skipped_rungs)}; each "
-            "holds no more rows, nor cache slots in all, than a compiled one"
+            f"  later rungs not compiled (--all-rungs compiles them): {shapes(plan.skipped_rungs)}; a mix "
+            "of two compiled rungs has as many rows and cache slots as each, so it needs no more memory"
         )
     return lines
 
