@@ -83,7 +83,12 @@ def main() -> None:
     total = sum(r["seconds"] for r in results)
     print(table(rows, list(rows[0])))
     print(f"\n{len(results)} targets planned in {total / 60:.1f} minutes")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the environment's record: no libtpu in this process
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     summary = {
+        "commit": commit,
         "config": args.config,
         "targets": rows,
         "total_s": total,

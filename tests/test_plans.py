@@ -21,7 +21,7 @@ from jaxsr.cli import main
 from jaxsr.decoding import loop
 from jaxsr.decoding.driver import as_sampler
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.jobs.config import JobConfig
+from jaxsr.jobs.config import JobConfig, load_job_config
 from jaxsr.ladder import bucket
 from jaxsr.loading.hf_config import decoder_config_from_hf
 from jaxsr.plans import (
@@ -32,6 +32,7 @@ from jaxsr.plans import (
     hf_config_of,
     hlo,
     plan_batch,
+    plan_job,
     target,
     target_mesh,
 )
@@ -86,6 +87,10 @@ LLAMA_31_8B_2_LAYERS = {
 BATCH = Batch(prompts=1, rows=8, prompt_slots=128, max_new_tokens=32)
 V5E_8 = target("v5e-8")
 H100_8 = target("h100x8")
+GEMMA_V5E_8_ROWS = 1688
+"""The shipped Gemma-2-9B job's Speculative Rejection first batch on a v5e-8 split 2 × 4 (README)."""
+LLAMA_H100_8_ROWS = 54672
+"""A Llama-3.1-8B job's first batch on 8 H100s split 4 × 2."""
 
 
 def parameter_count(hf: dict) -> tuple[int, int]:
@@ -613,6 +618,37 @@ def test_a_jobs_plan_for_eight_h100s(tmp_path, capsys):
     assert plan["target"]["platform"] == "cuda" and plan["mesh"] == {"data": 4, "model": 2} and plan["fits"]
     assert plan["decode_step"]["flops"] > 0 and plan["decode_step"]["bytes"] > 0
     assert "on h100x8 (8 × h100, 59.74 GiB usable per GPU: JAX's default 75% of 79.65 GiB)" in printed
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_the_shipped_gemma_job_fits_a_v5e_8_at_full_size():
+    """configs/speculative_rejection_gemma2_9b.yaml whole (Gemma-2-9B, 42 layers, and the Skywork 8B
+    reward) on a v5e-8 split 2 × 4, as the README plans it: every program fits; Speculative Rejection
+    starts GEMMA_V5E_8_ROWS rows; a decode step all-reduces the `model` split's sums and all-gathers
+    only the top-k candidates (values and ids) over `model`, never a cache."""
+    config = load_job_config("configs/speculative_rejection_gemma2_9b.yaml", ["mesh_model=4"])
+    plan = plan_job(config, target("v5e-8"))
+    assert plan.fits and plan.mesh == {"data": 2, "model": 4} and plan.rows == GEMMA_V5E_8_ROWS
+    loop = plan.decode.program("decode_loop")
+    assert loop.step_collectives["all-gather"] == 2 and loop.step_collectives["all-reduce"] > 0
+    assert all(shape[3:].startswith("[4,50,") for shape in loop.gathered), loop.gathered
+    assert plan.decode.program("compact").collectives["all-gather"] == 0
+
+
+@needs_cuda_plan
+@pytest.mark.slow
+def test_a_llama_31_8b_sr_job_fits_eight_h100s_at_full_size():
+    """A Llama-3.1-8B-Instruct Speculative Rejection job (the shipped config's settings, its own
+    likelihood as reward) on 8 H100s split 4 × 2: it fits, starts LLAMA_H100_8_ROWS rows, and its
+    token loops gather no cache."""
+    overrides = ["model=meta-llama/Llama-3.1-8B-Instruct", "reward=self_likelihood"]
+    plan = plan_job(load_job_config("configs/speculative_rejection_gemma2_9b.yaml", overrides), H100_8)
+    assert plan.fits and plan.mesh == {"data": 4, "model": 2} and plan.rows == LLAMA_H100_8_ROWS
+    loops = [p for p in plan.decode.programs if p.name.startswith("decode_loop")]
+    assert len(loops) > 1  # a later rung's too
+    for rung in loops:  # one all-gather a step: the 2 model shards' top-50 values and ids together
+        assert rung.step_collectives["all-gather"] == 1 and ",50], s32[" in rung.gathered[0], rung.gathered
 
 
 def test_plan_usage_errors_are_one_line(capsys):
