@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument(
         "--all-rungs",
         action="store_true",
-        help="compile every Speculative Rejection rung's decode loop (by default those after the first "
-        "whose caches hold every token are left out: the same caches in fewer rows)",
+        help="compile every Speculative Rejection rung's decode loop (by default a rung whose rows and "
+        "cache slots a mix of two compiled rungs' covers is left out: it needs no more memory)",
     )
     plan_parser.add_argument("--json", metavar="PATH", help="write the plan as JSON too")
     args, extra = parser.parse_known_args(argv)

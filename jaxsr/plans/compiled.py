@@ -174,28 +174,20 @@ def plan_batch(model: Model | Sampler, target: Target, batch: Batch) -> Plan:
     tokens = abstract_tokens(sampler.mesh, batch.prompts, batch.prompt_slots, PartitionSpec())
     names = ["prefill", *(f"prefill_{role}" for role in sampler.roles[1:])]
     prefill = lambda m: lambda: loop.prefill.lower(m.graph, m.params, tokens, tokens).compile()
-    models = dict(zip(names, sampler.models, strict=True))
-    prefills = together(target, sampler.on_mesh, {name: prefill(m) for name, m in models.items()})
-    logits, caches = (tuple(c.out_info[i] for c, _ in prefills) for i in (0, 1))
-    start = lambda: _start(sampler, batch).lower(logits, caches).compile()
-    [(start_c, started)] = together(target, sampler.on_mesh, {"start": start})
-    state = start_c.out_info
-    after = {"decode_loop": lambda: sampler.compiled_loop(state, caches)}
-    if batch.next_rows is not None:
-        after["compact"] = lambda: _compaction(sampler, batch, one_prompt(state, batch.rows))
-    after |= later_rungs(sampler, batch, state, caches)
-    decoding = together(target, sampler.on_mesh, after)
-    programs = (*(p for _, p in prefills), started, *(p for _, p in decoding))
+    with sampler.on_mesh():
+        prefills = [compile_for(target, n, prefill(m)) for n, m in zip(names, sampler.models, strict=True)]
+        logits, caches = (tuple(c.out_info[i] for c, _ in prefills) for i in (0, 1))
+        start = lambda: _start(sampler, batch).lower(logits, caches).compile()
+        start_c, started = compile_for(target, "start", start)
+        state = start_c.out_info
+        after = {"decode_loop": lambda: sampler.compiled_loop(state, caches)}
+        if batch.next_rows is not None:
+            after["compact"] = lambda: _compaction(sampler, batch, one_prompt(state, batch.rows))
+        after |= later_rungs(sampler, batch, state, caches)
+        decoding = [compile_for(target, name, compile_)[1] for name, compile_ in after.items()]
+    programs = (*(p for _, p in prefills), started, *decoding)
     rows = bytes_per_device([cache.replace(length=()) for cache in state.rows])  # scales too
     return Plan(target, batch, bytes_per_device(sampler.params), programs, rows)
-
-
-def together(
-    target: Target, on_mesh: Callable[[], Any], compiles: dict[str, Callable[[], Any]]
-) -> list[tuple[Any, Program]]:
-    """`compile_for` of each named program in order, on the models' mesh."""
-    with on_mesh():
-        return [compile_for(target, name, compile_) for name, compile_ in compiles.items()]
 
 
 def later_rungs(
