@@ -2,19 +2,22 @@
 
 1. Jobs over every AlpacaFarm evaluation prompt (805) with the shipped SmolLM2 draft: `generate`, 4
    new tokens, one sample (prefill is most of the work); `best_of_8`, 8 samples of up to 128 tokens
-   (EOS on, so lengths vary) scored by the MiniLM relevance reward. Each revision runs each job
-   `--passes` (`--best-of-8-passes`) times as a fresh `jaxsr run`, alternating (A B, then B A); per
-   revision the fastest pass counts. Reported: wall time, seconds per prompt, peak RSS of the process,
-   the prefill padding ratio (prompt positions run ÷ real prompt tokens; the older revision's from its
-   batching rule: file order, 64 rows a batch, each padded to the longest's power-of-two bucket),
-   whether both wrote the same token ids for every prompt (and chose the same best sample), and the
-   mean best reward.
+   (EOS on, so lengths vary) scored by the MiniLM relevance reward; and `generate_eos`, SmolLM2-135M
+   itself answering the first 256 prompts once in up to 256 tokens (it ends most answers itself, at
+   lengths from a few tokens to the budget: where continuous batching shows). Each revision runs each
+   job `--passes` (`--best-of-8-passes`, `--eos-passes`) times as a fresh `jaxsr run`, alternating
+   (A B, then B A); per revision the fastest pass counts. Reported: wall time, seconds per prompt, peak
+   RSS of the process, the prefill padding ratio (prompt positions run ÷ real prompt tokens; the older
+   revision's from its batching rule: file order, 64 rows a batch, each padded to the longest's
+   power-of-two bucket), the share of decode row-steps that advanced no row (`idle`: rows done or
+   padding, run because shapes are fixed), whether both wrote the same token ids for every prompt (and
+   chose the same best sample), and the mean best reward.
 2. Resuming a finished output: `--resume-records` synthetic records of ~6 KB (a Best-of-16 record at a
    few hundred tokens), each revision's `JsonlOutput` reading it in a fresh process: seconds and the
    RSS it adds over the process after its imports.
 
-    python -m benchmarks.bench_job_scale --old 2c94c50 [--jobs generate best_of_8] [--passes 2]
-        [--best-of-8-passes 1] [--resume-records 100000]
+    python -m benchmarks.bench_job_scale --old 2c94c50 [--jobs generate best_of_8 generate_eos]
+        [--passes 2] [--best-of-8-passes 1] [--eos-passes 1] [--resume-records 100000]
 """
 
 from __future__ import annotations
@@ -49,6 +52,17 @@ JOBS = {
         "data": "alpaca_farm_eval",
         "n": 8,
         "max_new_tokens": 128,
+        "temperature": 1.0,
+        "top_k": 50,
+        "seed": 0,
+    },
+    "generate_eos": {
+        "method": "generate",
+        "model": "smollm2",
+        "data": "alpaca_farm_eval",
+        "limit": 256,
+        "max_new_tokens": 256,
+        "num_samples": 1,
         "temperature": 1.0,
         "top_k": 50,
         "seed": 0,
@@ -91,23 +105,37 @@ def padding(output: Path) -> float | None:
     return sum(s["prefill_positions"] for s in stats) / sum(s["prompt_tokens"] for s in stats)
 
 
-def file_order_padding(rows_per_prompt: int) -> float:
-    """The older revision's prefill padding: 64 rows a batch in file order, each batch padded to a
-    power of two of prompts and to the longest prompt's power-of-two bucket."""
+def prompt_lengths(job: dict) -> list[int]:
+    """The job's prompts' token counts, as its generator encodes them."""
     from jaxsr.data import read_prompts
     from jaxsr.decoding.inputs import encode_prompts
-    from jaxsr.ladder import bucket
     from jaxsr.loading.resolve import resolve_model
 
-    lengths = [
-        len(ids)
-        for ids in encode_prompts(resolve_model("smollm2-draft", "float32"), read_prompts("alpaca_farm_eval"))
-    ]
-    per_batch, positions = 64 // rows_per_prompt, 0
+    prompts = read_prompts(job["data"])[: job.get("limit")]
+    return [len(ids) for ids in encode_prompts(resolve_model(job["model"], "float32"), prompts)]
+
+
+def file_order_padding(job: dict, lengths: list[int]) -> float:
+    """The older revision's prefill padding: 64 rows a batch in file order, each batch padded to a
+    power of two of prompts and to the longest prompt's power-of-two bucket."""
+    from jaxsr.ladder import bucket
+
+    per_batch, positions = 64 // job.get("n", job.get("num_samples", 1)), 0
     for start in range(0, len(lengths), per_batch):
         batch = lengths[start : start + per_batch]
         positions += min(bucket(len(batch), 1), per_batch) * bucket(max(batch))
     return positions / sum(lengths)
+
+
+def idle(output: Path, prefill_positions: float) -> float:
+    """The share of decode row-steps that advanced no row: every row's steps (the generator's token
+    positions less the prompts' `prefill_positions`) against the steps that committed a token (each
+    row's tokens but the first, which the prefill's logits give; a finished row also committed its
+    stop token)."""
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    steps = sum(r["stats"]["token_forwards"]["generator"] for r in records) - prefill_positions
+    useful = sum(len(s["token_ids"]) + s["finished"] - 1 for r in records for s in r["samples"])
+    return 1 - useful / steps
 
 
 def best_of(output: Path) -> tuple[dict[int, int | None], float | None]:
@@ -135,18 +163,19 @@ def job_side_by_side(trees: dict[str, Path], scratch: Path, passes: int, name: s
             print(f"{name} pass {p + 1} {side}: {seconds:.1f} s, peak RSS {peak / 2**30:.2f} GiB", flush=True)
     same = tokens_by_index(outputs["old"]) == tokens_by_index(outputs["new"])
     chosen = {side: best_of(outputs[side]) for side in trees}
-    samples = job.get("n", job.get("num_samples", 1))
-    old_padding = padding(outputs["old"]) or file_order_padding(samples)
+    lengths = prompt_lengths(job)
+    paddings = {side: padding(outputs[side]) or file_order_padding(job, lengths) for side in trees}
     rows = []
     for side in trees:
         wall = min(walls[side])
         rows.append(
             {
-                "job": f"{name} × 805, {side}",
+                "job": f"{name} × {len(lengths)}, {side}",
                 "wall_s": wall,
-                "s_per_prompt": wall / 805,
+                "s_per_prompt": wall / len(lengths),
                 "wall_vs_old": wall / min(walls["old"]),
-                "padding": old_padding if side == "old" else padding(outputs[side]),
+                "padding": paddings[side],
+                "idle": idle(outputs[side], paddings[side] * sum(lengths)),
                 "peak_rss_gib": rss[side] / 2**30,
                 "same_tokens": same,
                 "same_choices": chosen[side][0] == chosen["old"][0],
@@ -193,6 +222,7 @@ def main() -> None:
     parser.add_argument(
         "--best-of-8-passes", type=int, default=1, help="of the Best-of-8 job (~10 min a run)"
     )
+    parser.add_argument("--eos-passes", type=int, default=1, help="of the generate_eos job")
     parser.add_argument("--resume-records", type=int, default=100_000)
     parser.add_argument("--name", default="job_scale")
     args = parser.parse_args()
@@ -210,7 +240,11 @@ def main() -> None:
         )
         try:
             trees = {"old": old_tree, "new": ROOT}
-            passes = {"generate": args.passes, "best_of_8": args.best_of_8_passes}
+            passes = {
+                "generate": args.passes,
+                "best_of_8": args.best_of_8_passes,
+                "generate_eos": args.eos_passes,
+            }
             jobs = [
                 row
                 for name in args.jobs
@@ -228,6 +262,7 @@ def main() -> None:
                 "s_per_prompt",
                 "wall_vs_old",
                 "padding",
+                "idle",
                 "peak_rss_gib",
                 "same_tokens",
                 "same_choices",

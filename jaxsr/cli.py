@@ -269,5 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> None:
+    """The `jaxsr` command: `main`, then the process ends at once. Everything was written and closed
+    by then; tearing down XLA's compiled programs and threads took 1.5 s after an 805-prompt job."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -181,7 +181,7 @@ def _ring_gather(part: T, index: jax.Array, *, take: Callable[[T, jax.Array], T]
         for group in send_groups(sent, RING_GROUPS):
             moved = jax.lax.ppermute([sent[leaf] for leaf in group], "data", ring)
             for leaf, rows in zip(group, moved, strict=True):
-                result[leaf] = _rows_where(came, rows, result[leaf])
+                result[leaf] = rows_where(came, rows, result[leaf])
             # one group in transit at a time: the next is sent (and the next shift's gathered) after
             part, sent, result = jax.lax.optimization_barrier((part, sent, result))
     return jax.tree.unflatten(treedef, result)
@@ -221,8 +221,8 @@ def per_row_shard(f: Callable[..., T], *args: jax.Array) -> T:
     return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names={"data"})(*args)
 
 
-def _rows_where(rows: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-    """`a`'s rows where `rows` [B] is True, `b`'s elsewhere."""
+def rows_where(rows: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`a`'s rows where `rows` [B] is True, `b`'s elsewhere (arrays leading with the row axis)."""
     return jnp.where(rows.reshape(-1, *[1] * (a.ndim - 1)), a, b)
 
 

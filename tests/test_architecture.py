@@ -139,13 +139,30 @@ def calls_of(tree: ast.Module, attribute: str) -> int:
     )
 
 
+def loop_calls(tree: ast.Module, name: str) -> int:
+    """Calls of `loop.<name>(...)` (the jitted programs of `jaxsr.decoding.loop`, imported as `loop`)."""
+    return sum(
+        1
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == name
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "loop"
+    )
+
+
 def test_one_token_loop_and_one_batch_set_up():
     """The token loop (`lax.while_loop`) lives in `decoding.loop` alone, and only the sampler calls the
-    jitted prefill and row set-up: every driver goes through `Sampler.prefill_prompts` / `start`."""
+    jitted prefill and row set-ups: every driver goes through `Sampler.prefill_prompts` and `start`
+    (a batch of rows) or `insert` (rows into a batch of prompt slots)."""
     trees = modules()
     loops = {name for name, tree in trees.items() if calls_of(tree, "while_loop")}
     assert loops == {"jaxsr.decoding.loop"}
     callers = {name for name, tree in trees.items() if calls_of(tree, "init_state")}
     assert callers == {"jaxsr.decoding.driver"}
+    for set_up in ("empty_slab", "insert"):  # the jitted programs, called through the sampler
+        callers = {name for name, tree in trees.items() if loop_calls(tree, set_up)}
+        assert callers == {"jaxsr.decoding.driver"}, set_up
     starters = {name for name, tree in trees.items() if calls_of(tree, "start")}
-    assert {"jaxsr.decoding.driver", "jaxsr.search.scheduler", "jaxsr.training.distill"} <= starters
+    assert {"jaxsr.search.scheduler", "jaxsr.training.distill"} <= starters

@@ -23,9 +23,11 @@ from jaxsr.jobs.runner import run_job
 
 PROMPTS = ["Hi.", "Yes?", "Name a color you like.", "Count from one to ten, slowly.", "Say " + "hello " * 12]
 PROMPTS += ["Ok.", "No.", "Why?"]
-"""Byte-tokenized with the chat template, 22-95 tokens: five prompts of the 32-token bucket (calls of 2, 2
-and 1 prompts), two of 64 and one of 128: five calls of four shapes."""
-PROGRAMS = ("prefill", "init_state", "decode_loop")
+"""Byte-tokenized with the chat template, 22-95 tokens: five prompts of the 32-token bucket, two of 64 and
+one of 128, all of one length class (one call, streaming through one slab)."""
+PROGRAMS = ("prefill", "empty_slab", "insert", "decode_loop")
+COUNTS = [3, 1, 1, 1]
+"""A prefill per length bucket; the slab's programs once."""
 LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 """A program lowered to be compiled (or read from the persistent compilation cache): once per program."""
 
@@ -78,10 +80,10 @@ def run(job: Path, monkeypatch, workers: int, *overrides: str) -> tuple[list[dic
     def build(config) -> Solver:
         solver = build_solver(config)
 
-        def solve(prompts, indices, write):
+        def solve(request, write):
             compiles.in_call = True
             try:
-                solver.solve(prompts, indices, write)
+                solver.solve(request, write)
             finally:
                 compiles.in_call = False
 
@@ -100,15 +102,13 @@ def run(job: Path, monkeypatch, workers: int, *overrides: str) -> tuple[list[dic
 @pytest.mark.parametrize("mesh", [[], ["mesh_data=-1"]], ids=["one device", "8 devices"])
 def test_each_program_compiles_once_ahead_and_none_in_a_call_with_the_same_records(job, monkeypatch, mesh):
     ahead_records, ahead = run(job, monkeypatch, 2, *mesh)
-    shapes = ahead.count("prefill")
-    assert shapes == 4
-    assert [ahead.count(name) for name in PROGRAMS] == [shapes] * 3
+    assert [ahead.count(name) for name in PROGRAMS] == COUNTS
     assert ahead.in_calls() == []  # every program was ready before the call that runs it
     workers = {thread for name, thread, _ in ahead.lowered if name in PROGRAMS} - {"MainThread"}
     assert workers  # (the main thread compiles the sets no worker had begun when a call needed them)
 
     records, inline = run(job, monkeypatch, 0, *mesh)
-    assert [inline.count(name) for name in PROGRAMS] == [shapes] * 3
+    assert [inline.count(name) for name in PROGRAMS] == COUNTS
     assert set(inline.in_calls()) >= set(PROGRAMS)
     assert ahead_records == records
     assert [len(r["samples"]) for r in records] == [2] * len(PROMPTS)
@@ -117,8 +117,9 @@ def test_each_program_compiles_once_ahead_and_none_in_a_call_with_the_same_recor
 def test_a_two_model_job_compiles_ahead_too(job, monkeypatch):
     pair = ["method=speculative_decode", f"draft={load_job_config(job).model}", "gamma=2", "limit=3"]
     ahead_records, ahead = run(job, monkeypatch, 1, *pair)
-    # two shapes (2 prompts of 32 slots, 1 of 64); the draft is the model, so one prefill serves both
-    assert [ahead.count(name) for name in PROGRAMS] == [2, 2, 2]
+    # two prefill buckets (2 prompts of 32 slots, 1 of 64), one slab; the draft is the model, so one
+    # prefill serves both
+    assert [ahead.count(name) for name in PROGRAMS] == [2, 1, 1, 1]
     assert ahead.in_calls() == []
     records, _ = run(job, monkeypatch, 0, *pair)
     assert ahead_records == records

@@ -248,7 +248,7 @@ def test_speculative_decode_with_a_reduced_draft_runs_and_greedy_equals_the_targ
 
 def test_repeated_calls_compile_the_decode_loop_once(pair):
     full, reduced = pair
-    ours = {"prefill", "init_state", "decode_loop"}
+    ours = {"prefill", "empty_slab", "insert", "decode_loop"}
     sampling = SamplingConfig(top_k=0)
     jaxsr.speculative_decode(full, reduced, PROMPTS, gamma=3, max_new_tokens=9, sampling=sampling)
     jaxsr.generate(reduced, PROMPTS, max_new_tokens=9)

@@ -1,5 +1,6 @@
-"""The issue's bar for resumable jobs: SIGKILL a running `jaxsr run` at five random moments, resume it
-after each, and its records are those of an uninterrupted run (every prompt once, the same tokens,
+"""The issue's bar for resumable jobs: SIGKILL a running `jaxsr run` (a Speculative Rejection and a
+Best-of-N job) at five random moments, resume it after each, and its records are those of an
+uninterrupted run (every prompt once, the same tokens,
 texts and choices; scores and log-probabilities to float32 rounding, as resumed calls pack other
 prompts together)."""
 
@@ -27,8 +28,9 @@ model_dir = test_jobs_cli.model_dir  # the fixture: a tiny random Llama with a b
 WORDS = ["red", "blue", "green", "tan", "gray", "pink", "gold", "jade"]
 WORDS += ["navy", "teal", "plum", "rust", "lime", "sand", "rose", "ruby"]
 PROMPTS = [form.format(w) for form in ("Say {}.", "Pick {}", "{}?", "Name {}", "A {}!") for w in WORDS]
-"""80 short prompts, one length bucket: the job writes each record as its search ends, some tens a
-second here, after a few seconds of loading and compiling."""
+"""80 short prompts, one length bucket: the job writes each record as its search ends (Speculative
+Rejection) or as its rows end (Best-of-N), some tens a second here, after a few seconds of loading and
+compiling."""
 KILLS = 5
 LEFT = 24
 """Records still unwritten when a kill's trigger fires: the signal lands at most a few records' time
@@ -37,24 +39,34 @@ SEED = 20240531
 """The kill moments' seed: the same moments each run (up to timing)."""
 
 
-@pytest.fixture
-def sr_job(model_dir, tmp_path) -> Path:
-    """A speculative_rejection job's YAML file (no output: each run names its own)."""
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    config = {
-        "method": "speculative_rejection",
-        "model": str(model_dir),
-        "data": str(data),
-        "num_samples": 1,
-        "reward": "self_likelihood",
+METHODS = {
+    "speculative_rejection": {
         "n": 8,
         "rejection_rate": 0.5,
         "memory_budget": 192,  # the first decision comes at 17 tokens, then every few tokens
-        "max_new_tokens": 32,
         "concurrent_prompts": 2,
+    },
+    # two slots of 4 rows: a slot's prompt is written as soon as its rows end, the next takes its place
+    "best_of_n": {"n": 4},
+}
+
+
+@pytest.fixture(params=list(METHODS))
+def job(model_dir, tmp_path, request) -> Path:
+    """A search job's YAML file (no output: each run names its own)."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    config = {
+        "method": request.param,
+        "model": str(model_dir),
+        "data": str(data),
+        "reward": "self_likelihood",
+        "max_new_tokens": 32,
         "seed": 0,
+        **METHODS[request.param],
     }
+    if request.param == "best_of_n":
+        config["max_rows"] = 8
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -118,9 +130,9 @@ def assert_same_records(records: list[dict], expected: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_five_kills_at_random_moments_then_resume_give_the_uninterrupted_records(sr_job, tmp_path):
+def test_five_kills_at_random_moments_then_resume_give_the_uninterrupted_records(job, tmp_path):
     def command(output: Path) -> list[str]:
-        return [sys.executable, "-m", "jaxsr.cli", "run", str(sr_job), f"output={output}", "--no-progress"]
+        return [sys.executable, "-m", "jaxsr.cli", "run", str(job), f"output={output}", "--no-progress"]
 
     reference = tmp_path / "reference" / "job.jsonl"
     reference.parent.mkdir()

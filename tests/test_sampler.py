@@ -127,15 +127,18 @@ def test_stop_ids_end_a_row_and_are_not_returned(lm):
 
 
 def test_second_call_with_the_same_buckets_compiles_nothing(lm):
-    ours = {"prefill", "init_state", "decode_loop"}
+    slab = {"empty_slab", "insert", "decode_loop"}
     first = jaxsr.generate(lm, [[1, 2, 3]], max_new_tokens=9, num_samples=2, seed=1)
     assert first[0].stats["compile_s"] >= 0
     with compilations() as compiled:  # another prompt length, budget and seed inside the same buckets
         jaxsr.generate(lm, [[5, 6, 7, 8, 9, 10]], max_new_tokens=14, num_samples=2, seed=2)
-    assert not ours & set(compiled)
-    with compilations() as compiled:  # a longer prompt bucket
+    assert not (slab | {"prefill"}) & set(compiled)
+    with compilations() as compiled:  # a longer prompt bucket: its prefill, in the same slab
         jaxsr.generate(lm, [[5] * 20], max_new_tokens=14, num_samples=2, seed=2)
-    assert ours <= set(compiled)
+    assert "prefill" in compiled and not slab & set(compiled)
+    with compilations() as compiled:  # a longer budget: another slab
+        jaxsr.generate(lm, [[5] * 20], max_new_tokens=20, num_samples=2, seed=2)
+    assert slab <= set(compiled) and "prefill" not in compiled
 
 
 def test_the_compiled_decode_loop_updates_the_row_cache_in_place(lm):

@@ -275,7 +275,7 @@ def test_a_derived_search_budget_counts_the_data_shards_and_fits_on_each_device(
 
 def test_best_of_n_decodes_as_many_rows_as_the_data_shards_hold(lm):
     """On 8 `data` shards a call decodes 64 rows a shard, not 64 in all: 16 prompts × 8 samples in one
-    batch (a job's calls take as many prompts). Same tokens as one device with 64 rows."""
+    batch (a job's call takes a whole length class). Same tokens as one device with 64 rows."""
     from jaxsr.decoding.driver import default_rows
     from jaxsr.jobs.config import JobConfig
     from jaxsr.jobs.methods import prompts_per_call
@@ -284,8 +284,7 @@ def test_best_of_n_decodes_as_many_rows_as_the_data_shards_hold(lm):
     sharded = shard_model(lm, make_mesh(data=8))
     assert default_rows(as_sampler(sharded, SAMPLING)) == 512
     job = JobConfig(method="best_of_n", reward="self_likelihood", n=8, mesh_data=-1)
-    assert prompts_per_call(job, as_sampler(sharded, SAMPLING)) == 64
-    assert prompts_per_call(JobConfig(max_rows=32, num_samples=4), as_sampler(sharded, SAMPLING)) == 8
+    assert prompts_per_call(job) is None and prompts_per_call(JobConfig(max_rows=32, num_samples=4)) is None
     prompts = [[1 + (i * 7 + j) % 50 for j in range(5)] for i in range(16)]
     kwargs = dict(n=8, max_new_tokens=6, sampling=SAMPLING, seed=1)
     wide = jaxsr.best_of_n(sharded, SelfLikelihood(), prompts, **kwargs)

@@ -243,7 +243,7 @@ def test_batch_prediction_limits():
 
 def test_a_second_call_in_the_same_buckets_compiles_nothing(target, draft):
     kwargs = dict(gamma=3, sampling=GREEDY)
-    ours = {"prefill", "init_state", "decode_loop"}
+    ours = {"prefill", "empty_slab", "insert", "decode_loop"}
     speculative_decode(target, draft, PROMPTS[:2], max_new_tokens=12, **kwargs)
     with compilations() as compiled:
         speculative_decode(target, draft, [[7, 7], [3, 1, 4, 1, 5]], max_new_tokens=9, seed=4, **kwargs)

@@ -8,16 +8,17 @@ call. Every call gathers its shared options in one `inputs.Options`, validates a
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from jaxsr.checks import check_bool, check_positive_int, check_responses_fit, check_rows_fit
 from jaxsr.decoding import cost
+from jaxsr.decoding.continuous import decode
 from jaxsr.decoding.contrast import ContrastKind, make_contrast
-from jaxsr.decoding.driver import Run, Sampler, as_sampler, decode, default_rows, samples_of
+from jaxsr.decoding.driver import Run, Sampler, as_sampler, default_rows, samples_of
 from jaxsr.decoding.inputs import (
     Options,
     Request,
@@ -27,6 +28,7 @@ from jaxsr.decoding.inputs import (
 )
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import SpeculativeContrastiveDecoding, SpeculativeDecoding
+from jaxsr.decoding.state import DecodeState
 from jaxsr.decoding.steps import ContrastiveDecoding
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
@@ -94,13 +96,39 @@ def decode_prompts(
     baseline: bool = False,
     measure_cost: bool = False,
 ) -> list[Result]:
-    """Decode `prompts` with `sampler`, one `Result` per prompt. Speculative methods' stats add
-    acceptance, the predicted speed-up from the measured cost ratios (`measure_cost`: timing probes)
-    and, with `baseline`, the measured one against the method's own baseline (`Method.baseline`: the
-    target alone for SD, contrastive decoding for SCD)."""
-    num_samples = check_positive_int("num_samples", num_samples)
+    """Decode `prompts` with `sampler`, one `Result` per prompt. Speculative methods' stats add the
+    predicted speed-up from the measured cost ratios (`measure_cost`: timing probes) and, with
+    `baseline`, the measured one against the method's own baseline (`Method.baseline`: the target
+    alone for SD, contrastive decoding for SCD)."""
     baseline, measure_cost = check_bool("baseline", baseline), check_bool("measure_cost", measure_cost)
     request = prepare(sampler.models, prompts, options)
+    results: dict[int, Result] = {}
+    run = decode_request(
+        sampler, request, num_samples=num_samples, max_rows=max_rows, on_result=results.__setitem__
+    )
+    results = [results[i] for i in range(len(request.encoded))]
+    if isinstance(sampler.method, SpeculativeDecoding) and (baseline or measure_cost):
+        decoding = sampler.with_sampling(request.sampling)
+        measured = speculative_call_stats(decoding, request, run, results, baseline, measure_cost)
+        results = [
+            dataclasses.replace(r, stats={**r.stats, **st}) for r, st in zip(results, measured, strict=True)
+        ]
+    return results
+
+
+def decode_request(
+    sampler: Sampler,
+    request: Request,
+    *,
+    num_samples: int,
+    max_rows: int | None,
+    on_result: Callable[[int, Result], None],
+) -> Run:
+    """Decode a prepared request, handing each prompt's `Result` to `on_result(i, result)` (`i` its
+    position in the request) as soon as its rows are done: a caller keeps what it wants of them (a job
+    writes each and keeps none). `wall_s` is the seconds spent on the prompt (its shares of prefill,
+    decoding and compiling); speculative methods add γ and the prompt's acceptance (`cost`)."""
+    num_samples = check_positive_int("num_samples", num_samples)
     if max_rows is None:
         max_rows = default_rows(sampler)
     max_rows = check_positive_int("max_rows", max_rows)
@@ -114,44 +142,44 @@ def decode_prompts(
         "give a smaller max_rows",
     )
     sampler = sampler.with_sampling(request.sampling)
-    t0 = time.perf_counter()
-    run = decode(sampler, request, num_samples=num_samples, max_rows=max_rows)
-    wall = (time.perf_counter() - t0) / len(request.encoded)
-    stats = run.stats
-    if isinstance(sampler.method, SpeculativeDecoding):
-        stats = speculative_stats(sampler, request, run, num_samples, max_rows, baseline, measure_cost)
-    return [
-        Result(
-            prompt=prompt,
-            samples=samples_of(sampler.target, rows, request.stop),
-            stats={"wall_s": wall, **st},
-        )
-        for prompt, rows, st in zip(prompts, run.rows, stats, strict=True)
-    ]
+    speculative = isinstance(sampler.method, SpeculativeDecoding)
+
+    def done(finished: list[tuple[int, DecodeState, dict[str, Any]]]) -> None:
+        for i, rows, stats in finished:
+            stats = {"wall_s": stats["prefill_s"] + stats["decode_s"] + stats["compile_s"], **stats}
+            if speculative:  # the cost ratios are the call's (`speculative_call_stats`)
+                stats.update(gamma=sampler.method.gamma, **cost.acceptance_stats(rows), **NOT_MEASURED)
+            samples = samples_of(sampler.target, rows, request.stop)
+            on_result(i, Result(prompt=request.prompts[i], samples=samples, stats=stats))
+
+    return decode(sampler, request, num_samples=num_samples, max_rows=max_rows, on_done=done)
 
 
-def speculative_stats(
+NOT_MEASURED = {"cost_ratio": None, "verify_cost_ratio": None, "expected_speedup": None}
+"""A speculative call's cost entries until measured (`measure_cost`)."""
+
+
+def speculative_call_stats(
     sampler: Sampler,
     request: Request,
     run: Run,
-    num_samples: int,
-    max_rows: int,
+    results: list[Result],
     baseline: bool,
     measure_cost: bool,
 ) -> list[dict[str, Any]]:
-    """Per prompt: γ, acceptance, the cost ratios and predicted speed-up (`measure_cost`), and the
-    measured speed-up against the method's baseline run on the same prompts (`baseline`)."""
+    """Per prompt: the cost ratios and predicted speed-up (`measure_cost`) from its acceptance, and
+    the measured speed-up against the method's baseline run on the same prompts (`baseline`)."""
     method = sampler.method
     gamma, contrastive = method.gamma, isinstance(method, SpeculativeContrastiveDecoding)
     costs = cost.measure_call_costs(sampler, run.shapes, gamma) if measure_cost else None
     cost_ratio, verify = costs or (None, None)
     stats = []
-    for st, rows in zip(run.stats, run.rows, strict=True):
-        st = {**st, "gamma": gamma, **cost.acceptance_stats(rows)}
-        st.update(cost_ratio=cost_ratio, verify_cost_ratio=verify, expected_speedup=None)
-        if st["acceptance_rate"] is not None and cost_ratio is not None:
+    for result in results:
+        acceptance = result.stats["acceptance_rate"]
+        st = {"cost_ratio": cost_ratio, "verify_cost_ratio": verify, "expected_speedup": None}
+        if acceptance is not None and cost_ratio is not None:
             baseline_cost = 1 + cost_ratio if contrastive else 1.0  # CD runs both models every token
-            predicted = cost.expected_speedup(st["acceptance_rate"], gamma, cost_ratio, verify, baseline_cost)
+            predicted = cost.expected_speedup(acceptance, gamma, cost_ratio, verify, baseline_cost)
             st["expected_speedup"] = cost.finite_or_none(predicted)
         stats.append(st)
     if baseline:
@@ -159,7 +187,9 @@ def speculative_stats(
         models = sampler.models[: reference.num_models]
         contrast = sampler.contrast if contrastive else None
         reference_sampler = Sampler(models, reference, contrast, sampler.sampling)
-        base_s = decode(reference_sampler, request, num_samples=num_samples, max_rows=max_rows).decode_s
+        base_s = decode(
+            reference_sampler, request, num_samples=run.num_samples, max_rows=run.max_rows
+        ).decode_s
         for st in stats:
             st.update(
                 baseline_decode_s=base_s / len(request.encoded),

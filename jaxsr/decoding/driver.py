@@ -1,11 +1,11 @@
-"""The sampler (models + method + sampling + contrast weights), the one batch set-up every driver uses, and
-`decode`, the driver of plain decoding calls.
+"""The sampler (models + method + sampling + contrast weights) and the one batch set-up every driver uses.
 
 A batch is set up in two steps: `Sampler.prefill_prompts` (left-pad, prefill each prompt once per
-model) and `Sampler.start` (the rows of a `Layout`, each with its first token). `Sampler.decode_loop`
+model) and `Sampler.start` (the rows of a `Layout`, each with its first token) — or, for a batch of
+prompt slots that prompts stream through, `Sampler.empty_slab` and `Sampler.insert`. `Sampler.decode_loop`
 then runs the one token loop (until done or a pause), `state.to_host` brings the rows back in one
-transfer, and `Sampler.compact` gathers survivors. `decode` batches a call's prompts and decodes each
-batch to the end; the searches (`jaxsr.search.scheduler`) and training's teacher sampling drive the
+transfer, and `Sampler.compact` gathers survivors. `jaxsr.decoding.continuous.decode` drives plain
+decoding calls; the searches (`jaxsr.search.scheduler`) and training's teacher sampling drive the
 same steps."""
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ from jaxsr.decoding import loop, stops
 from jaxsr.decoding.contrast import Contrast
 from jaxsr.decoding.inputs import Request, check_language_model, check_sampling
 from jaxsr.decoding.sampling import SamplingConfig
-from jaxsr.decoding.state import DecodeState, compact, concat_rows, response, stop_token, take_rows, to_host
+from jaxsr.decoding.state import DecodeState, compact, response, stop_token
 from jaxsr.decoding.steps import Controls, Method, PlainSampling
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Sample
 from jaxsr.sharding import data_shards, mesh_of, on_mesh, padded_rows
-from jaxsr.timing import Stopwatch
 
 DEFAULT_MAX_ROWS = 64
 """Rows a call decodes per `data` shard unless told (`default_rows`); `decode`'s default in all."""
@@ -105,16 +104,19 @@ class Sampler:
     def on_mesh(self):
         return on_mesh(*self.models)
 
-    def prefill(self, tokens: jax.Array, mask: jax.Array) -> tuple[tuple, tuple]:
-        """Prefill left-padded prompts once per model: (last-position logits, prompt caches)."""
-        out = [loop.prefill(m.graph, m.params, tokens, mask) for m in self.models]
+    def prefill(self, tokens: jax.Array, mask: jax.Array, slots: int | None = None) -> tuple[tuple, tuple]:
+        """Prefill left-padded prompts once per model: (last-position logits, prompt caches; in `slots`
+        slots when given)."""
+        out = [loop.prefill(m.graph, m.params, tokens, mask, slots=slots) for m in self.models]
         return tuple(z for z, _ in out), tuple(c for _, c in out)
 
-    def prefill_prompts(self, prompts: Sequence[list[int]], rows: int, length: int | None = None) -> Prefill:
+    def prefill_prompts(
+        self, prompts: Sequence[list[int]], rows: int, length: int | None = None, slots: int | None = None
+    ) -> Prefill:
         """The prompts left-padded to [rows, length] (default: the longest's bucket; rows past the
-        prompts are padding) and prefilled once per model."""
+        prompts are padding) and prefilled once per model, their caches in `slots` slots when given."""
         length = bucket(max(map(len, prompts))) if length is None else length
-        logits, caches = self.prefill(*padded(prompts, rows, length))
+        logits, caches = self.prefill(*padded(prompts, rows, length), slots)
         return Prefill(logits, caches, rows * length)
 
     def init_state(self, prefilled: tuple[tuple, tuple], new: loop.NewRows, **capacities: int) -> DecodeState:
@@ -136,9 +138,10 @@ class Sampler:
         cache_capacity = (capacity if segment is None else segment) + self.headroom
         return {"capacity": capacity, "cache_capacity": cache_capacity}
 
-    def compiled_loop(self, state: DecodeState, prompts: tuple) -> Any:
+    def compiled_loop(self, state: DecodeState, prompts: tuple, slots: bool = False) -> Any:
         """The decode loop compiled for this state's shapes (paused or not): (params, state, prompts,
-        controls, pause_at) → state."""
+        controls, pause) → state; with `slots`, one that also pauses when enough prompt slots are free
+        (`loop.Pause.free`)."""
         return loop.decode_loop.lower(
             self.graphs,
             self.params,
@@ -146,18 +149,33 @@ class Sampler:
             prompts,
             self.controls,
             method=self.method,
-            pause_at=loop.NO_PAUSE,
+            pause=loop.Pause(free=loop.NO_PAUSE if slots else None),
         ).compile()
 
     def decode_loop(
         self, state: DecodeState, prompts: tuple, pause_at: jax.Array | None, observer: Any = None
     ) -> DecodeState:
-        """Decode until every row is done or has `pause_at` tokens (the state is donated); an
-        `observer` (`loop.Observer`) records beside the tokens."""
+        """Decode until every row is done or has `pause_at` tokens (the state is donated; None never
+        pauses, a program of its own); an `observer` (`loop.Observer`) records beside the tokens."""
+        pause = None if pause_at is None else loop.Pause(tokens=pause_at)
         return loop.decode_loop(
             self.graphs, self.params, state, prompts, self.controls,
-            method=self.method, pause_at=pause_at, observer=observer,
+            method=self.method, pause=pause, observer=observer,
         )  # fmt: skip
+
+    def empty_slab(self, caches: tuple, new: loop.NewRows, request: Request) -> tuple[DecodeState, tuple]:
+        """A batch of prompt slots with none taken (`loop.empty_slab`), its caches shaped as `caches`'
+        and sized for the request's `max_new_tokens` (`capacities`)."""
+        return loop.empty_slab(caches, new, **self.capacities(request))
+
+    def insert(
+        self, state: DecodeState, caches: tuple, prefill: Prefill, new: loop.NewRows, source: np.ndarray
+    ) -> tuple[DecodeState, tuple]:
+        """Start rows `new` of `prefill`'s prompts in the slots `source` gives them (`loop.insert`;
+        the state and its caches are donated)."""
+        return loop.insert(
+            state, caches, prefill[:2], self.controls, new, jnp.asarray(source), method=self.method
+        )
 
     def compact(
         self, state: DecodeState, index: jax.Array, alive: jax.Array, cache_capacity: int, sample_ids=None
@@ -253,7 +271,7 @@ class Layout:
         sample_ids = np.tile(self.first_sample + np.arange(G), P)
         real = np.repeat(np.arange(P) < real_prompts, G) & np.tile(np.arange(G) < self.live, P)
         ids = [request.prompt_ids[i] for i in self.indices]
-        ids += ids[-1:] * (P - real_prompts)  # padding groups: dead rows, any stream
+        ids += (ids[-1:] or [0]) * (P - real_prompts)  # padding groups: dead rows, any stream
         return loop.NewRows(
             seed=np.uint32(request.seed),
             prompt_ids=jnp.asarray(np.array(ids, np.int32)),
@@ -296,52 +314,10 @@ def layouts_of(indices: tuple[int, ...], num_samples: int, G: int, mesh: Mesh | 
     return [Layout(indices, P, R, G, first, num_samples) for first in range(0, num_samples, G)]
 
 
-@dataclasses.dataclass(frozen=True)
-class BatchShape:
-    """What a decode batch's programs are compiled for: `prompts` prompts (a power of two) of `length`
-    prompt slots, `rows` rows each (a chunk's samples plus the mesh's padding)."""
-
-    prompts: int
-    rows: int
-    length: int
-
-
-def batch_shapes(
-    lengths: Sequence[int], num_samples: int, max_rows: int, mesh: Mesh | None = None
-) -> list[BatchShape]:
-    """The shapes of `decode`'s batches of prompts of these token `lengths`, in the order it runs them
-    (a batch's chunks of samples share its shape)."""
-    G = min(num_samples, max_rows)
-    shapes = []
-    for indices in batch_indices(lengths, num_samples, max_rows):
-        first = layouts_of(indices, num_samples, G, mesh)[0]
-        shapes.append(BatchShape(first.prompts, first.rows, bucket(max(lengths[i] for i in indices))))
-    return shapes
-
-
 INPUTS_LOCK = threading.Lock()
-"""Held while `compile_batch` places a batch's small inputs on device: a new shape's first placement
-compiles a little program (jax's `stage`), which threads placing the same shape at once would each
-compile."""
-
-
-def compile_batch(sampler: Sampler, request: Request, shape: BatchShape) -> None:
-    """Compile the programs `decode_batch` runs for a batch of `shape` (each model's prefill, the rows'
-    set-up, the token loop) without running them, from inputs as abstract as the batch's are concrete:
-    the batch then finds each in jax's caches. For a thread compiling ahead of the calls; `request` is
-    any request with the call's options (its prompts are not read)."""
-    layout = Layout((0,), shape.prompts, shape.rows, shape.rows)
-    with sampler.on_mesh():
-        with INPUTS_LOCK:
-            tokens, mask = padded([], shape.prompts, shape.length)
-            new = layout.new_rows(sampler.target, request)
-        inputs = (sampler.params, tokens, mask)
-        prefills = [loop.prefill.lower(m.graph, m.params, tokens, mask).compile() for m in sampler.models]
-        logits, caches = (outputs(tuple(c.out_info[i] for c in prefills), sampler, inputs) for i in (0, 1))
-        start = loop.init_state.lower(
-            logits, caches, sampler.controls, new, method=sampler.method, **sampler.capacities(request)
-        ).compile()
-        sampler.compiled_loop(outputs(start.out_info, sampler, (logits, new)), caches)
+"""Held while a thread compiling ahead (`continuous.compile_slab`) places a batch's small inputs on
+device: a new shape's first placement compiles a little program (jax's `stage`), which threads placing
+the same shape at once would each compile."""
 
 
 def outputs(info: Any, sampler: Sampler, inputs: Any) -> Any:
@@ -381,74 +357,16 @@ def samples_of(model: Model, host: DecodeState, stop: Sequence[str] = ()) -> lis
 
 @dataclasses.dataclass
 class Run:
+    """What a plain decoding call (`continuous.decode`) gives back."""
+
     rows: list[DecodeState]
     """Per prompt, its decoded rows on the host (`state.to_host`; alive rows only) by sample index."""
     stats: list[dict[str, Any]]
     decode_s: float
-    """Total decode-loop time of the call (compilation excluded)."""
+    """Total decode time of the call (rows' set-up and token loops; compilation excluded)."""
+    num_samples: int = 1
+    max_rows: int = DEFAULT_MAX_ROWS
+    """The call's samples per prompt and most rows decoded together."""
     shapes: Any = None
     """Shapes of the last batch's row caches and prompt caches (for `cost.measure_call_costs`: shapes
     only, so that no finished batch's cache stays alive while the next one decodes)."""
-
-
-def decode(sampler: Sampler, request: Request, *, num_samples: int, max_rows: int = DEFAULT_MAX_ROWS) -> Run:
-    """`num_samples` continuations of each prompt of `request`; each prompt is prefilled once per model.
-
-    Per prompt, stats: the work of a batch shared evenly among its real prompts (`prefill_s`,
-    `compile_s`, `decode_s`, `token_forwards` by role, `prefill_positions`: prompt positions run,
-    padding included), `prompt_tokens` (its own), `batch_rows` and `kv_slots` (prompt + row cache
-    slots of one model) of the batch it was decoded in. Compiling is timed apart (`jaxsr.timing`) so
-    that `prefill_s` and `decode_s` measure running alone."""
-    parts: list[list[DecodeState]] = [[] for _ in request.encoded]
-    run = Run([], [{} for _ in request.encoded], 0.0)
-    with sampler.on_mesh():
-        for layouts in batches(request.encoded, num_samples, max_rows, sampler.mesh):
-            decode_batch(sampler, request, layouts, run, parts)
-    for part in parts:
-        rows = concat_rows(part)
-        run.rows.append(take_rows(rows, np.argsort(rows.sample_id, kind="stable")))
-    return run
-
-
-def decode_batch(
-    sampler: Sampler, request: Request, layouts: list[Layout], run: Run, parts: list[list[DecodeState]]
-) -> None:
-    """One batch of `decode`: prefill its prompts, decode each chunk of samples to the end, and add
-    each prompt's rows to `parts` and its stats to `run`."""
-    first = layouts[0]
-    indices, P, R, real = first.indices, first.prompts, first.rows, len(first.indices)
-    watch = Stopwatch()
-    prefill = sampler.prefill_prompts([request.encoded[i] for i in indices], P)
-    jax.block_until_ready(prefill.logits)
-    prefill_s, compile_s = watch.split()
-    forwards = np.full(len(sampler.models), prefill.positions)
-    decode_s = 0.0
-    for layout in layouts:
-        watch = Stopwatch()  # the rows' first tokens and the loop: compiled on a shape's first use
-        state = sampler.start(prefill, layout, request)
-        compiled = sampler.compiled_loop(state, prefill.caches)
-        state = compiled(sampler.params, state, prefill.caches, sampler.controls, pause_at=loop.NO_PAUSE)
-        host = to_host(state)
-        running, compiling = watch.split()
-        decode_s, compile_s = decode_s + running, compile_s + compiling
-        forwards += host.forwards.astype(np.int64) * P * R
-        for p, i in enumerate(indices):
-            group = np.arange(p * R, (p + 1) * R)
-            parts[i].append(take_rows(host, group[host.alive[group]]))
-        run.shapes = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state.rows, prefill.caches)
-        )
-        del state
-    run.decode_s += decode_s
-    cache_slots = P * R * (bucket(request.max_new_tokens) + sampler.headroom)
-    for i in indices:
-        run.stats[i] = {
-            "prefill_s": prefill_s / real,
-            "compile_s": compile_s / real,
-            "decode_s": decode_s / real,
-            "token_forwards": {role: int(n) // real for role, n in zip(sampler.roles, forwards, strict=True)},
-            "prefill_positions": prefill.positions / real,
-            "prompt_tokens": len(request.encoded[i]),
-            "batch_rows": P * R,
-            "kv_slots": prefill.positions + cache_slots,
-        }

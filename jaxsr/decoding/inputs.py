@@ -39,6 +39,15 @@ class Request:
     stops: StopStrings | None = None
     """`stop` as the device looks for it in generated text."""
 
+    def subset(self, indices: Sequence[int]) -> Request:
+        """The request of the prompts at `indices` alone, each keeping its prompt id (random stream)."""
+        return dataclasses.replace(
+            self,
+            prompts=[self.prompts[i] for i in indices],
+            encoded=[self.encoded[i] for i in indices],
+            prompt_ids=tuple(self.prompt_ids[i] for i in indices),
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:

@@ -22,7 +22,7 @@ from flax import struct
 
 from jaxsr.decoding import stops
 from jaxsr.models.cache import RowCache
-from jaxsr.sharding import constrain_rows, gather_rows
+from jaxsr.sharding import constrain_rows, gather_rows, rows_where
 
 
 @struct.dataclass
@@ -153,6 +153,15 @@ def take_rows(state: DecodeState, rows: Any) -> DecodeState:
     """The state's per-row fields at `rows` (an index array or a slice; on device or on the host), the
     shared fields (caches included) as they are."""
     return state.replace(**{name: _at(getattr(state, name), rows) for name in PER_ROW})
+
+
+def select_rows(where: jax.Array, a: DecodeState, b: DecodeState) -> DecodeState:
+    """Per row, `a`'s per-row fields where `where` [B] is True and `b`'s elsewhere; the shared fields
+    (caches included) are `b`'s."""
+    picked = {name: getattr(b, name) for name in PER_ROW}
+    return b.replace(
+        **{n: None if x is None else rows_where(where, getattr(a, n), x) for n, x in picked.items()}
+    )
 
 
 def _at(field: Any, rows: Any) -> Any:

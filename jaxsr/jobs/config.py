@@ -140,7 +140,8 @@ class JobConfig:
     """Strings that end a response where its text shows one (the stored text cut before it)."""
     num_samples: int = 1
     max_rows: int | None = None
-    """Rows decoded together (generate and two-model methods; None: 64 a `data` shard)."""
+    """Most rows decoded together (generate, two-model methods, best_of_n; None: 64 a `data` shard,
+    or what best_of_n's memory budget holds)."""
     n: int | None = None
     draft: str | None = None
     """The second model of speculative_decode (draft) and (speculative_)contrastive_decode (amateur),
@@ -205,6 +206,7 @@ class JobConfig:
             raise ValueError(f"decoder: expected one of {DECODERS} or None, got {self.decoder!r}")
         for name in (
             "limit",
+            "num_samples",
             "n",
             "concurrent_prompts",
             "min_first_segment",
@@ -271,7 +273,7 @@ class JobConfig:
         elif self.method == "tree_best_of_n":
             keys |= {"branch", "layers", "concurrent_prompts"}
         else:
-            keys |= {"memory_budget"}
+            keys |= {"memory_budget", "max_rows"}
         if self.decoder is not None:
             keys |= {"draft", *DECODER_OPTIONS[self.decoder]}
         return keys

@@ -1,4 +1,4 @@
-"""Turn a `JobConfig` into loaded models and a `solve(prompts, indices, write)` function."""
+"""Turn a `JobConfig` into loaded models and a `solve(request, write)` function."""
 
 from __future__ import annotations
 
@@ -9,63 +9,61 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jaxsr.checks import check_positive_int
 from jaxsr.decoding.api import (
-    contrastive_decode,
     contrastive_decoder,
-    generate,
-    speculative_contrastive_decode,
+    decode_request,
     speculative_contrastive_decoder,
-    speculative_decode,
     speculative_decoder,
 )
-from jaxsr.decoding.driver import Sampler, as_sampler, batch_shapes, compile_batch, default_rows
+from jaxsr.decoding.continuous import MIN_SLAB_LENGTH, length_classes, slab_length, slab_programs
+from jaxsr.decoding.driver import Sampler, as_sampler, default_rows
 from jaxsr.decoding.inputs import Options, Request, prepare
 from jaxsr.jobs.ahead import Programs
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
+from jaxsr.ladder import bucket
 from jaxsr.loading.resolve import mesh_from_keys, resolve_model, resolve_reward
 from jaxsr.models.model import Model
 from jaxsr.results import Result
 from jaxsr.rewards import Reward
-from jaxsr.search.best_of_n import best_of_n
+from jaxsr.search.best_of_n import budgeted_rows, least_slots
+from jaxsr.search.best_of_n import search as search_best_of_n
 from jaxsr.search.candidates import check_reward
 from jaxsr.search.speculative_rejection import speculative_rejection
 from jaxsr.search.tree import tree_best_of_n
 
 Write = Callable[[int, dict[str, Any]], None]
 """Takes a prompt's record as soon as the prompt is done: (its index in the job, the record)."""
-Solve = Callable[[list[Any], list[int], Write], None]
-"""Solves `prompts`, whose indices in the job (their random streams) are `indices`, handing each
-record to `write`."""
+Solve = Callable[[Request, Write], None]
+"""Solves a prepared request (its `prompt_ids` are the prompts' indices in the job, and so their random
+streams), handing each record to `write`."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Solver:
-    """A job's method with its models loaded: `solve(prompts, indices, write)`, how many prompts
-    a call takes, and `check(prompts) -> token counts`, which refuses (before any decoding) a prompt the
-    method could not take — every prompt of the data, so that a bad one far down fails the job at its
-    start — and gives each prompt's length as the generator reads it (to batch prompts by length).
-    `programs(token counts)`: the programs a call of prompts of those lengths runs, to compile ahead of
-    it (`jobs.ahead`); None where the method compiles as it goes (the searches)."""
+    """A job's method with its models loaded: `solve(request, write)`, how many prompts a call takes
+    (None: all of a length bucket's), and `check(prompts) -> Request`, which prepares every prompt
+    of the data once (encoded as the generator reads it, the calls take their parts of it) and refuses,
+    before any decoding, a prompt the method could not take — so that a bad one far down fails the
+    job at its start. `programs(token counts)`: the programs a call of prompts of those lengths runs,
+    to compile ahead of it (`jobs.ahead`); None where the method compiles as it goes (the searches)."""
 
     solve: Solve
-    prompts_per_call: int
-    check: Callable[[list[Any]], list[int]]
+    prompts_per_call: int | None
+    check: Callable[[list[Any]], Request]
     programs: Callable[[list[int]], Programs] | None = None
+    length_class: Callable[[int], int] = bucket
+    """A prompt's length class by its token count: a call takes prompts of one class (decoding: the
+    slab they stream through, `continuous.slab_length`; the searches: their prefill's bucket)."""
 
 
 SEARCH_CALL_ROUNDS = 16
 """A speculative_rejection call takes this many prompts per prompt in flight: enough that a finished
 search's place is refilled nearly always (a call's last searches run with fewer beside them). Records
 are written as searches end, so a kill loses only the searches in flight; a call's results are held
-until it returns, so calls stay bounded."""
+until it returns, so calls stay bounded. (Decoding calls and Best-of-N hold none: a call takes a whole
+length bucket, its prompts streaming through one batch of slots.)"""
 
-# the call of each two-model method, and the builder of each `decoder` the search methods run over
-PAIR_DECODE: dict[str, Callable[..., list]] = {
-    "speculative": speculative_decode,
-    "contrastive": contrastive_decode,
-    "speculative_contrastive": speculative_contrastive_decode,
-}
+# the builder of each two-model decoder: the pair methods' sampler, and the `decoder` searches run over
 DECODER_BUILDERS: dict[str, Callable[..., Any]] = {
     "speculative": speculative_decoder,
     "contrastive": contrastive_decoder,
@@ -86,114 +84,132 @@ def build_solver(config: JobConfig) -> Solver:
     """The job's method over its loaded models."""
     mesh = mesh_from_keys(config)
     model = load_decoder(config, "model", mesh)
-    models: tuple[Model, ...] = (model,)
-    reward: Reward | None = None
     sampling = config.sampling()
     common = dict(
         max_new_tokens=config.max_new_tokens, sampling=sampling, seed=config.seed, chat=config.chat,
         stop_token_ids=tuple(config.stop_token_ids or ()), stop=tuple(config.stop or ()),
     )  # fmt: skip
-    if config.method == "generate":
-        sampler = as_sampler(model, sampling)
-        run: Callable[..., list] = lambda prompts, **kw: generate(
-            model, prompts, num_samples=config.num_samples, max_rows=config.max_rows, **kw
-        )
-    elif config.method in PAIR_METHODS:
-        second = load_decoder(config, "draft", mesh)
-        models = (model, second)
-        kind = PAIR_METHODS[config.method]
-        decode, extra = PAIR_DECODE[kind], {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
-        sampler = DECODER_BUILDERS[kind](model, second, **extra)
-        run = lambda prompts, **kw: decode(
-            model, second, prompts, num_samples=config.num_samples, max_rows=config.max_rows, **extra, **kw
+    reward: Reward | None = None
+    if config.method == "generate" or config.method in PAIR_METHODS:
+        sampler = job_sampler(config, model, mesh, config.method)
+        run: Callable[..., None] = lambda request, on_result: decode_request(
+            sampler, request, num_samples=config.num_samples, max_rows=config.max_rows, on_result=on_result
         )
     else:
         reward = resolve_reward(config.reward, config.dtype, mesh)
-        if config.decoder is not None:
-            extra = {name: getattr(config, name) for name in DECODER_OPTIONS[config.decoder]}
-            model = DECODER_BUILDERS[config.decoder](model, load_decoder(config, "draft", mesh), **extra)
-            models = model.models
-        sampler = as_sampler(model, sampling)
-        run = search_call(config, model, reward)
+        sampler = job_sampler(config, model, mesh, config.decoder)
+        run = search_call(config, sampler, reward, common)
 
-    def solve(prompts: list[Any], indices: list[int], write: Write) -> None:
-        def ended(i: int, result: Result) -> None:
-            write(indices[i], result.to_dict())
+    def solve(request: Request, write: Write) -> None:
+        run(request, lambda i, result: write(request.prompt_ids[i], result.to_dict()))
 
-        if reward is not None:  # a search method: each result is written as its search ends
-            run(prompts, prompt_offset=indices, on_result=ended, **common)
-            return
-        for i, result in enumerate(run(prompts, prompt_offset=indices, **common)):  # a batch ends at once
-            ended(i, result)
-
-    def check(prompts: list[Any]) -> list[int]:
+    def check(prompts: list[Any]) -> Request:
         try:
-            request = prepare(models, prompts, Options(**common))
+            request = prepare(sampler.models, prompts, Options(**common))
             if reward is not None:
-                check_reward(reward, models[0], prompts)
+                check_reward(reward, sampler.target, prompts)
         except (ValueError, TypeError) as e:
             if "prompts[" not in str(e):  # a config value (max_new_tokens=0): its own name says it
                 raise
             raise ValueError(f"data: {config.data}: {e}") from None  # the i-th prompt of the data
-        return [len(ids) for ids in request.encoded]
+        return request
 
-    programs = None if reward is not None else batch_programs(config, sampler, Options(**common))
-    return Solver(solve, prompts_per_call(config, sampler), check, programs)
+    if config.method in ("speculative_rejection", "tree_best_of_n"):
+        return Solver(solve, prompts_per_call(config), check)
+    programs = batch_programs(config, sampler, Options(**common))
+    least = least_slots(config.memory_budget) if config.method == "best_of_n" else MIN_SLAB_LENGTH
+    length_class = functools.partial(slab_length, least=least)
+    return Solver(solve, prompts_per_call(config), check, programs, length_class)
+
+
+def job_sampler(config: JobConfig, model: Model, mesh: Mesh | None, kind: str | None) -> Sampler:
+    """The job's sampler over its `model`: plain sampling (`kind` None or "generate"), or a pair
+    method's / a search's two-model decoder over the job's `draft`, sampling as the job says."""
+    kind = PAIR_METHODS.get(kind, kind)
+    if kind in (None, "generate"):
+        return as_sampler(model, config.sampling())
+    extra = {name: getattr(config, name) for name in DECODER_OPTIONS[kind]}
+    decoder = DECODER_BUILDERS[kind](model, load_decoder(config, "draft", mesh), **extra)
+    return as_sampler(decoder, config.sampling())
 
 
 def batch_programs(config: JobConfig, sampler: Sampler, options: Options) -> Callable[[list[int]], Programs]:
-    """The programs of a decoding call (`generate` or a pair method) with these options: one set per
-    batch shape, compiled as `driver.decode` runs them."""
+    """The programs of a decoding or Best-of-N call with these options: one set per length class, as
+    `continuous.decode` runs them."""
 
     @functools.cache
-    def calls() -> tuple[Sampler, Request, int]:
-        """The calls' sampler, options and rows, as `decode_prompts` takes them (read when first asked,
-        after `check` took the options; the placeholder prompt is not read)."""
+    def calls() -> tuple[Sampler, Request]:
+        """The calls' sampler and options (read when first asked, after `check` took the options; the
+        placeholder prompt is not read)."""
         request = prepare(sampler.models, [[0]], options)
-        decoding = sampler.with_sampling(request.sampling)
-        return decoding, request, config.max_rows if config.max_rows is not None else default_rows(decoding)
+        return sampler.with_sampling(request.sampling), request
 
     def programs(lengths: list[int]) -> Programs:
-        decoding, request, max_rows = calls()
-        shapes = batch_shapes(lengths, config.num_samples, max_rows, decoding.mesh)
-        return {shape: functools.partial(compile_batch, decoding, request, shape) for shape in shapes}
+        decoding, request = calls()
+        samples, max_rows, least = call_rows(config, decoding, lengths)
+        classes = length_classes(lengths, samples, max_rows, decoding.mesh, least)
+        return {
+            key: compile_
+            for shape, _ in classes
+            for key, compile_ in slab_programs(decoding, request, shape).items()
+        }
 
     return programs
 
 
-def search_call(config: JobConfig, model: Any, reward: Reward) -> Callable[..., list]:
-    """The search method's call over `model` (a language model or a two-model decoder)."""
+def call_rows(config: JobConfig, sampler: Sampler, lengths: list[int]) -> tuple[int, int, int]:
+    """A decoding or Best-of-N call's samples per prompt, most rows decoded together and its slabs'
+    fewest prompt slots, for prompts of these token `lengths` (as `decode_request` and
+    `best_of_n.search` size them)."""
+    if config.method != "best_of_n":
+        rows = config.max_rows if config.max_rows is not None else default_rows(sampler)
+        return config.num_samples, rows, MIN_SLAB_LENGTH
+    prompts = [[0] * length for length in lengths]
+    budget, n, new = config.memory_budget, config.n, config.max_new_tokens
+    return n, *budgeted_rows(sampler, budget, prompts, n, new, config.max_rows)
+
+
+def search_call(
+    config: JobConfig, sampler: Sampler, reward: Reward, common: dict[str, Any]
+) -> Callable[[Request, Callable[[int, Result], None]], None]:
+    """The search method's call over `sampler` (plain sampling or a two-model decoder): a prepared
+    request in, each prompt's result to `on_result` as its search ends."""
     if config.method == "best_of_n":
-        return lambda prompts, **kw: best_of_n(
-            model, reward, prompts, n=config.n, memory_budget=config.memory_budget, **kw
-        )
+        return lambda request, on_result: search_best_of_n(
+            sampler, reward, request, n=config.n, memory_budget=config.memory_budget,
+            on_result=on_result, max_rows=config.max_rows,
+        )  # fmt: skip
     if config.method == "tree_best_of_n":
-        return lambda prompts, **kw: tree_best_of_n(
-            model, reward, prompts, n=config.n, branch=config.branch, layers=config.layers,
+        search: Callable[..., list] = lambda prompts, **kw: tree_best_of_n(
+            sampler, reward, prompts, n=config.n, branch=config.branch, layers=config.layers,
             concurrent_prompts=config.concurrent_prompts, **kw,
         )  # fmt: skip
-    return lambda prompts, **kw: speculative_rejection(
-        model,
-        reward,
-        prompts,
-        n=config.n,
-        rejection_rate=config.rejection_rate,
-        memory_budget=config.memory_budget,
-        concurrent_prompts=config.concurrent_prompts,
-        min_first_segment=config.min_first_segment,
-        decision_interval=config.decision_interval,
-        rule=config.rule,
-        min_keep=config.min_keep,
-        keep_rejected=config.keep_rejected,
-        **kw,
-    )
+    else:
+        search = lambda prompts, **kw: speculative_rejection(
+            sampler,
+            reward,
+            prompts,
+            n=config.n,
+            rejection_rate=config.rejection_rate,
+            memory_budget=config.memory_budget,
+            concurrent_prompts=config.concurrent_prompts,
+            min_first_segment=config.min_first_segment,
+            decision_interval=config.decision_interval,
+            rule=config.rule,
+            min_keep=config.min_keep,
+            keep_rejected=config.keep_rejected,
+            **kw,
+        )
+
+    def call(request: Request, on_result: Callable[[int, Result], None]) -> None:
+        search(list(request.prompts), prompt_offset=list(request.prompt_ids), on_result=on_result, **common)
+
+    return call
 
 
-def prompts_per_call(config: JobConfig, sampler: Sampler) -> int:
-    """Speculative Rejection and TreeBoN: `SEARCH_CALL_ROUNDS` prompts per prompt in flight. Else as
-    many prompts as one batch of rows holds: `max_rows`, or 64 a `data` shard."""
+def prompts_per_call(config: JobConfig) -> int | None:
+    """Speculative Rejection and TreeBoN: `SEARCH_CALL_ROUNDS` prompts per prompt in flight. Decoding
+    and Best-of-N: None, a whole length bucket (nothing is held: records stream out as prompts end)."""
     if config.method in ("speculative_rejection", "tree_best_of_n"):  # `concurrent_prompts` in flight
         return SEARCH_CALL_ROUNDS * config.concurrent_prompts
-    key = "n" if config.method == "best_of_n" else "num_samples"
-    rows = config.max_rows if config.max_rows is not None else default_rows(sampler)
-    return max(1, rows // check_positive_int(key, getattr(config, key)))
+    return None

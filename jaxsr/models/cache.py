@@ -111,6 +111,25 @@ class PromptCache:
     def num_prompts(self) -> int:
         return self.mask.shape[0]
 
+    def left_padded(self, slots: int) -> PromptCache:
+        """The same prompts in `slots` slots (at least as many as now): empty, masked slots added on
+        the left, so that each prompt still ends at the last slot (positions and windows unchanged)."""
+        extra = slots - self.mask.shape[1]
+        if extra == 0:
+            return self
+
+        def pad(x: jax.Array, axis: int) -> jax.Array:
+            return jnp.pad(x, [(extra, 0) if a == axis else (0, 0) for a in range(x.ndim)])
+
+        return self.replace(
+            k=tuple(pad(k, 3) for k in self.k),
+            v=tuple(pad(v, 2) for v in self.v),
+            mask=pad(self.mask, 1),
+            k_scale=tuple(pad(s, 2) for s in self.k_scale),
+            v_scale=tuple(pad(s, 2) for s in self.v_scale),
+            tokens=None if self.tokens is None else pad(self.tokens, 1),
+        )
+
     layer = _layer
     constrained = _constrained
 

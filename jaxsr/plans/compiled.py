@@ -168,8 +168,10 @@ def placeholder_request(batch: Batch) -> Request:
 
 def plan_batch(model: Model | Sampler, target: Target, batch: Batch) -> Plan:
     """Compile `batch`'s prefills (one per model), row set-up and token loop for plain sampling from
-    `model`, or for a `Sampler` as it samples (e.g. of `abstract_model`s on `target_mesh(target, ...)`),
-    as `driver.decode_batch` runs them. The second model's prefill is `prefill_<its role>`."""
+    `model`, or for a `Sampler` as it samples (e.g. of `abstract_model`s on `target_mesh(target, ...)`).
+    A decoding job's slab (`continuous.decode`) runs a token loop of the batch's shapes; it starts its
+    rows a prefill at a time, which holds no more than this batch's start. The second model's prefill
+    is `prefill_<its role>`."""
     sampler = as_sampler(model, None)  # a sampler as it samples; a model with the defaults
     tokens = abstract_tokens(sampler.mesh, batch.prompts, batch.prompt_slots, PartitionSpec())
     names = ["prefill", *(f"prefill_{role}" for role in sampler.roles[1:])]

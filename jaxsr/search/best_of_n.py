@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from jaxsr.checks import check_callback, check_positive_int, check_responses_fit
-from jaxsr.decoding.driver import Sampler, as_sampler, decode, default_rows, samples_of
+from jaxsr.decoding.continuous import MIN_SLAB_LENGTH, decode
+from jaxsr.decoding.driver import Sampler, as_sampler, default_rows, samples_of
 from jaxsr.decoding.inputs import Options, Request, prepare
 from jaxsr.decoding.sampling import SamplingConfig
+from jaxsr.decoding.state import DecodeState
 from jaxsr.models.model import Model
 from jaxsr.results import Result
-from jaxsr.rewards import as_reward
+from jaxsr.rewards import Reward, as_reward
 from jaxsr.search.candidates import (
     best,
     check_reward,
@@ -44,45 +45,92 @@ def best_of_n(
     stop: Sequence[str] = (),
     prompt_offset: int | Sequence[int] = 0,
     on_result: Callable[[int, Result], None] | None = None,
+    max_rows: int | None = None,
 ) -> list[Result]:
     """N samples per prompt, all scored; `Result.best` is the argmax, `Result.samples` all N.
 
     `model` is a language model or a two-model `Sampler` (`jaxsr.speculative_decoder` etc.). With a
     `memory_budget` (KV token slots or bytes) the N rows are decoded in chunks that fit it, prompt
-    caches included (`stats["kv_bytes"]`: the caches of the batch a prompt was decoded in).
-    `on_result(i, result)` is called with prompt `i`'s result as soon as it is scored."""
+    caches included (`stats["kv_bytes"]`: the caches of the batch a prompt was decoded in); `max_rows`
+    caps the rows decoded together (default: 64 a `data` shard, or what the budget holds). Prompts
+    stream through the batch (`jaxsr.decoding.continuous`): `on_result(i, result)` is called with
+    prompt `i`'s result as soon as its samples are scored."""
     sampler = as_sampler(model, sampling)
     reward = as_reward(reward)
-    n = check_positive_int("n", n)
     check_callback("on_result", on_result)
     options = Options(max_new_tokens, sampler.sampling, seed, chat, stop_token_ids, prompt_offset, stop)
     request = prepare(sampler.models, prompts, options)
-    check_reward(reward, sampler.target, prompts, request.encoded)
+    results: dict[int, Result] = {}
+
+    def keep(i: int, result: Result) -> None:
+        results[i] = result
+        if on_result is not None:
+            on_result(i, result)
+
+    search(sampler, reward, request, n=n, memory_budget=memory_budget, on_result=keep, max_rows=max_rows)
+    return [results[i] for i in range(len(request.encoded))]
+
+
+def search(
+    sampler: Sampler,
+    reward: Reward,
+    request: Request,
+    *,
+    n: int,
+    memory_budget: int | str | None,
+    on_result: Callable[[int, Result], None],
+    max_rows: int | None = None,
+) -> None:
+    """Best-of-N over a prepared request: each prompt's `Result` to `on_result(i, result)` as soon as
+    its N samples are scored (the prompts whose samples end together are scored together)."""
+    n = check_positive_int("n", n)
+    if max_rows is not None:
+        max_rows = check_positive_int("max_rows", max_rows)
+    check_reward(reward, sampler.target, request.prompts, request.encoded)
     lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens
     check_responses_fit("n", len(encoded) * n, max_new_tokens)
+    max_rows, least = budgeted_rows(sampler, memory_budget, encoded, n, max_new_tokens, max_rows)
+
+    def scored(finished: list[tuple[int, DecodeState, dict[str, Any]]]) -> None:
+        watch, before = Stopwatch(), reward.token_forwards
+        items = [(request.prompts[i], encoded[i], rows) for i, rows, _ in finished]
+        samples = score_rows(lm, reward, items, request)
+        scoring_s, compiled = watch.split()
+        forwards, count = reward.token_forwards - before, len(finished)
+        for k, ((i, _, st), mine) in enumerate(zip(finished, samples, strict=True)):
+            # the prompts were scored together: each takes an even share of the scoring
+            st["token_forwards"]["reward"] = even_share(forwards, k, count)
+            st["kv_bytes"] = st["kv_slots"] * sampler.slot_bytes
+            st["scoring_s"] = scoring_s / count
+            st["compile_s"] += compiled / count
+            st["wall_s"] = st["prefill_s"] + st["decode_s"] + st["scoring_s"] + st["compile_s"]
+            on_result(i, Result(prompt=request.prompts[i], samples=mine, best=best(mine), stats=st))
+
+    decode(sampler, request, num_samples=n, max_rows=max_rows, on_done=scored, least_slots=least)
+
+
+def budgeted_rows(
+    sampler: Sampler,
+    memory_budget: int | str | None,
+    encoded: list[list[int]],
+    n: int,
+    max_new_tokens: int,
+    max_rows: int | None = None,
+) -> tuple[int, int]:
+    """Best-of-N's most rows decoded together and its slabs' fewest prompt slots: without a budget,
+    `default_rows` and `MIN_SLAB_LENGTH`; within one, the rows it holds (`best_of_n_rows`) and no
+    prompt slot beyond a prompt's own bucket (the budget counts them). `max_rows` caps the rows."""
     if memory_budget is None:
-        max_rows = default_rows(sampler)
+        rows = default_rows(sampler)
     else:
-        max_rows = best_of_n_rows(sampler, memory_budget, encoded, n, max_new_tokens)
-    t0 = time.perf_counter()
-    run = decode(sampler, request, num_samples=n, max_rows=max_rows)
-    sample_s = time.perf_counter() - t0
-    watch, before = Stopwatch(), reward.token_forwards
-    scored = score_rows(lm, reward, list(zip(prompts, encoded, run.rows, strict=True)), request)
-    scoring_s, compiled = watch.split()
-    forwards, count = reward.token_forwards - before, len(encoded)
-    results = []
-    for i, (prompt, samples, st) in enumerate(zip(prompts, scored, run.stats, strict=True)):
-        # the prompts were scored together: each takes an even share of the scoring
-        st["token_forwards"]["reward"] = even_share(forwards, i, count)
-        st["kv_bytes"] = st["kv_slots"] * sampler.slot_bytes
-        st["scoring_s"] = scoring_s / count
-        st["compile_s"] += compiled / count
-        st["wall_s"] = (sample_s + scoring_s + compiled) / count
-        results.append(Result(prompt=prompt, samples=samples, best=best(samples), stats=st))
-        if on_result is not None:
-            on_result(i, results[-1])
-    return results
+        rows = best_of_n_rows(sampler, memory_budget, encoded, n, max_new_tokens)
+    return rows if max_rows is None else min(rows, max_rows), least_slots(memory_budget)
+
+
+def least_slots(memory_budget: int | str | None) -> int:
+    """Best-of-N's slabs' fewest prompt slots (`continuous.slab_length`): `MIN_SLAB_LENGTH`, or none
+    beyond a prompt's own bucket within a memory budget (the budget counts them)."""
+    return MIN_SLAB_LENGTH if memory_budget is None else 1
 
 
 def score_rows(lm: Model, reward: Any, items: list[tuple[Any, list[int], Any]], request: Request) -> list:
