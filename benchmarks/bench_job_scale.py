@@ -10,11 +10,13 @@
    RSS of the process, the prefill padding ratio (prompt positions run ÷ real prompt tokens; the older
    revision's from its batching rule: file order, 64 rows a batch, each padded to the longest's
    power-of-two bucket), the share of decode row-steps that advanced no row (`idle`: rows done or
-   padding, run because shapes are fixed), whether both wrote the same token ids for every prompt (and
-   chose the same best sample), and the mean best reward.
+   padding, run because shapes are fixed), the responses' mean length and the share that ran to the
+   token budget, the share of prompts for which both wrote the same token ids (floats differ with the
+   batch's shape, so a sampled token can flip where two are near-tied), whether both chose the same
+   best sample, and the mean best reward.
 2. Resuming a finished output: `--resume-records` synthetic records of ~6 KB (a Best-of-16 record at a
    few hundred tokens), each revision's `JsonlOutput` reading it in a fresh process: seconds and the
-   RSS it adds over the process after its imports.
+   peak RSS it adds over the process after its imports (VmHWM).
 
     python -m benchmarks.bench_job_scale --old 2c94c50 [--jobs generate best_of_8 generate_eos]
         [--passes 2] [--best-of-8-passes 1] [--eos-passes 1] [--resume-records 100000]
@@ -69,13 +71,24 @@ JOBS = {
     },
 }
 RESUME = """
-import resource, sys, time
+import sys, time
 from jaxsr.jobs.config import JobConfig
 from jaxsr.jobs.runner import JsonlOutput
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def peak_kib():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
+before = peak_kib()
 start = time.perf_counter()
 done = JsonlOutput(sys.argv[1], JobConfig(output=sys.argv[1])).done
-print(len(done), time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+print(len(done), time.perf_counter() - start, peak_kib() - before)
+"""
+LENGTHS = """
+import json, sys
+from jaxsr.data import read_prompts
+from jaxsr.decoding.inputs import encode_prompts
+from jaxsr.loading.resolve import resolve_model
+job = json.loads(sys.argv[1])
+prompts = read_prompts(job["data"])[: job.get("limit")]
+print(json.dumps([len(ids) for ids in encode_prompts(resolve_model(job["model"], "float32"), prompts)]))
 """
 
 
@@ -106,13 +119,10 @@ def padding(output: Path) -> float | None:
 
 
 def prompt_lengths(job: dict) -> list[int]:
-    """The job's prompts' token counts, as its generator encodes them."""
-    from jaxsr.data import read_prompts
-    from jaxsr.decoding.inputs import encode_prompts
-    from jaxsr.loading.resolve import resolve_model
-
-    prompts = read_prompts(job["data"])[: job.get("limit")]
-    return [len(ids) for ids in encode_prompts(resolve_model(job["model"], "float32"), prompts)]
+    """The job's prompts' token counts, as its generator encodes them (in a child process, so this one
+    stays small: a child's peak RSS as the kernel reports it starts at its parent's)."""
+    _, _, out = run_child([sys.executable, "-c", LENGTHS, json.dumps(job)], ROOT)
+    return json.loads(out)
 
 
 def file_order_padding(job: dict, lengths: list[int]) -> float:
@@ -138,6 +148,13 @@ def idle(output: Path, prefill_positions: float) -> float:
     return 1 - useful / steps
 
 
+def lengths_at_budget(output: Path, budget: int) -> tuple[float, float]:
+    """The responses' mean token count and the share of them that ran to the budget unfinished."""
+    samples = [s for line in output.read_text().splitlines() for s in json.loads(line)["samples"]]
+    at_budget = sum(not s["finished"] and len(s["token_ids"]) >= budget for s in samples)
+    return sum(len(s["token_ids"]) for s in samples) / len(samples), at_budget / len(samples)
+
+
 def best_of(output: Path) -> tuple[dict[int, int | None], float | None]:
     """Each prompt's chosen sample index, and the mean best reward (None without rewards)."""
     records = [json.loads(line) for line in output.read_text().splitlines()]
@@ -161,10 +178,12 @@ def job_side_by_side(trees: dict[str, Path], scratch: Path, passes: int, name: s
             rss[side] = max(rss.get(side, 0), peak)
             outputs[side] = output
             print(f"{name} pass {p + 1} {side}: {seconds:.1f} s, peak RSS {peak / 2**30:.2f} GiB", flush=True)
-    same = tokens_by_index(outputs["old"]) == tokens_by_index(outputs["new"])
+    tokens = {side: tokens_by_index(outputs[side]) for side in trees}
+    same = sum(tokens["new"].get(i) == ids for i, ids in tokens["old"].items()) / len(tokens["old"])
     chosen = {side: best_of(outputs[side]) for side in trees}
     lengths = prompt_lengths(job)
     paddings = {side: padding(outputs[side]) or file_order_padding(job, lengths) for side in trees}
+    responses = {side: lengths_at_budget(outputs[side], job["max_new_tokens"]) for side in trees}
     rows = []
     for side in trees:
         wall = min(walls[side])
@@ -177,6 +196,8 @@ def job_side_by_side(trees: dict[str, Path], scratch: Path, passes: int, name: s
                 "padding": paddings[side],
                 "idle": idle(outputs[side], paddings[side] * sum(lengths)),
                 "peak_rss_gib": rss[side] / 2**30,
+                "mean_tokens": responses[side][0],
+                "at_budget": responses[side][1],
                 "same_tokens": same,
                 "same_choices": chosen[side][0] == chosen["old"][0],
                 "mean_best_reward": chosen[side][1],
@@ -264,6 +285,8 @@ def main() -> None:
                 "padding",
                 "idle",
                 "peak_rss_gib",
+                "mean_tokens",
+                "at_budget",
                 "same_tokens",
                 "same_choices",
                 "mean_best_reward",
