@@ -2,9 +2,10 @@
 at a time, and SR with several prompts in flight (`concurrent_prompts`), side by side in one run.
 
 SmolLM2-135M-Instruct generates (T=1, top-k 50); the reward is all-MiniLM-L6-v2 prompt/response
-relevance; AlpacaFarm prompts of the 64-token bucket. SR runs at Best-of-8's KV memory per prompt;
-each `--sr α/first_segment` setting is one SR configuration (the first segment sets how many rows
-start: the budget's response slots ÷ the segment); the first runs with each `--concurrent` count of
+relevance; prompts of the 64-token bucket (`--data`: AlpacaFarm's evaluation set by default;
+`--skip-prompts` starts past the ones a setting was chosen on). SR runs at Best-of-8's KV memory per
+prompt; each `--sr α/first_segment` setting is one SR configuration (the first segment sets how many
+rows start: the budget's response slots ÷ the segment); the first runs with each `--concurrent` count of
 prompts in flight, the others with the largest count. Per method: wall seconds per prompt
 (JAX compile time left out, from `jax.monitoring`), mean best reward, and the paper's score with
 Best-of-8 as the base (100·(1 + mean over prompts of (max s − max s_Bo8)/(max s_Bo8 − min s_Bo8))).
@@ -17,9 +18,9 @@ score ÷ the method's wall time.
 `--concurrent`) with the budget given in bytes: Best-of-8's float32 KV bytes per prompt, so an int8
 cache fits more rows in the same memory (issue 29's comparison).
 
-    python -m benchmarks.bench_sr_job [--prompts 24] [--skip-prompts 0] [--max-new-tokens 64] [--ns 8 16 32]
-        [--sr 0.5/16 0.5/8 0.7/8] [--concurrent 1 4 8] [--seed 0] [--repeats 2]
-        [--kv-dtypes float32 int8]
+    python -m benchmarks.bench_sr_job [--data alpaca_farm_eval] [--prompts 24] [--skip-prompts 0]
+        [--max-new-tokens 64] [--ns 8 16 32] [--sr 0.5/16 0.5/8 0.7/8]
+        [--concurrent 1 4 8] [--seed 0] [--repeats 2] [--kv-dtypes float32 int8]
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def run_passes(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--data", default="alpaca_farm_eval", help="a shipped prompt set or a file")
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--skip-prompts", type=int, default=0, help="start after this many bucket prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -106,9 +108,7 @@ def main() -> None:
 
     lm = resolve_model("smollm2", "float32")
     reward = resolve_reward("minilm", "float32")
-    in_bucket = (
-        p for p in read_prompts("alpaca_farm_eval") if bucket(len(encode_prompts(lm, [p])[0])) == BUCKET
-    )
+    in_bucket = (p for p in read_prompts(args.data) if bucket(len(encode_prompts(lm, [p])[0])) == BUCKET)
     prompts = list(itertools.islice(in_bucket, args.skip_prompts, args.skip_prompts + args.prompts))
     budget = BUCKET + 8 * bucket(args.max_new_tokens)  # Best-of-8's KV slots
     common = dict(max_new_tokens=args.max_new_tokens, sampling=SAMPLING, seed=args.seed)
