@@ -18,8 +18,12 @@
    few hundred tokens), each revision's `JsonlOutput` reading it in a fresh process: seconds and the
    peak RSS it adds over the process after its imports (VmHWM).
 
+A plot beside the JSON compares the two revisions' wall time, peak RSS and padding per job and the
+resume's added RSS; `--replot` draws it again from the saved JSON without running anything.
+
     python -m benchmarks.bench_job_scale --old 2c94c50 [--jobs generate best_of_8 generate_eos]
         [--passes 2] [--best-of-8-passes 1] [--eos-passes 1] [--resume-records 100000]
+    python -m benchmarks.bench_job_scale --replot [--name job_scale]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import table, write_result
+from benchmarks.common import RESULTS, table, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = {
@@ -237,7 +241,7 @@ def resume_side_by_side(trees: dict[str, Path], scratch: Path, records: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--old", required=True, help="the revision to compare the working tree against")
+    parser.add_argument("--old", help="the revision to compare the working tree against")
     parser.add_argument("--jobs", nargs="+", choices=list(JOBS), default=list(JOBS))
     parser.add_argument("--passes", type=int, default=2, help="of the generate job")
     parser.add_argument(
@@ -246,7 +250,13 @@ def main() -> None:
     parser.add_argument("--eos-passes", type=int, default=1, help="of the generate_eos job")
     parser.add_argument("--resume-records", type=int, default=100_000)
     parser.add_argument("--name", default="job_scale")
+    parser.add_argument("--replot", action="store_true", help="only draw the plot from the saved JSON")
     args = parser.parse_args()
+    if args.replot:
+        print(f"wrote {plot(json.loads((RESULTS / f'{args.name}.json').read_text()), args.name)}")
+        return
+    if args.old is None:
+        parser.error("--old is required (or --replot)")
     git = ["git", "-C", str(ROOT)]
     old = subprocess.run(
         [*git, "rev-parse", args.old], capture_output=True, text=True, check=True
@@ -294,10 +304,44 @@ def main() -> None:
         )
     )
     print(table(resumes, ["job", "wall_s", "added_rss_mib"]))
-    path = write_result(
-        args.name, {"old": old, "new": new, "args": vars(args), "jobs": jobs, "resumes": resumes}
+    result = {"old": old, "new": new, "args": vars(args), "jobs": jobs, "resumes": resumes}
+    print(f"wrote {write_result(args.name, result)} and {plot(result, args.name)}")
+
+
+def plot(result: dict, name: str) -> Path:
+    """Old revision against the working tree: each job's wall time, peak RSS and prefill padding, and
+    the RSS a resume adds, as paired bars (the old revision's short hash against "this tree")."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sides = {"old": f"{result['old'][:7]}", "new": "this tree"}
+    jobs = list(dict.fromkeys(row["job"].rsplit(", ", 1)[0] for row in result["jobs"]))
+    by = {(row["job"].rsplit(", ", 1)[0], row["job"].rsplit(", ", 1)[1]): row for row in result["jobs"]}
+    panels = [("wall_s", "wall seconds"), ("peak_rss_gib", "peak RSS, GiB"), ("padding", "prefill padding")]
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(15, 4))
+    width = 0.38
+    for ax, (key, label) in zip(axes, panels, strict=False):
+        for k, (side, tag) in enumerate(sides.items()):
+            values = [by[(job, side)][key] or 0.0 for job in jobs]
+            bars = ax.bar([i + (k - 0.5) * width for i in range(len(jobs))], values, width, label=tag)
+            ax.bar_label(bars, fmt="%.3g", fontsize=7)
+        ax.set_xticks(range(len(jobs)), [job.replace(" × ", "\n× ") for job in jobs], fontsize=8)
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    resumes = result["resumes"]
+    bars = axes[-1].bar(
+        [sides[row["job"].rsplit(", ", 1)[1]] for row in resumes], [row["added_rss_mib"] for row in resumes]
     )
-    print(f"wrote {path}")
+    axes[-1].bar_label(bars, fmt="%.0f", fontsize=7)
+    axes[-1].set_ylabel("RSS a resume adds, MiB")
+    axes[-1].set_title(resumes[0]["job"].rsplit(", ", 1)[0], fontsize=8)
+    fig.suptitle(f"dataset jobs: {sides['old']} against this tree (one run, this machine)")
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    return path
 
 
 if __name__ == "__main__":

@@ -142,6 +142,7 @@ def main() -> None:
                 "wall_s_per_prompt_each_pass": [w / len(prompts) for w in walls[name]],
                 "mean_best_reward": float(best(results).mean()),
                 "score": paper_score(best(results), base_best, base_worst),
+                "stage_s_per_prompt": stage_split(results),
             }
         )
     curve = [(r["wall_s_per_prompt"], r["score"]) for r in rows if r["method"].startswith("Best-of")]
@@ -161,12 +162,21 @@ def main() -> None:
         "wall_vs_largest_bon",
     ]
     print(table(rows, columns))
+    print(table([{"method": r["method"], **r["stage_s_per_prompt"]} for r in rows], ["method", *STAGES]))
     plot(rows, args)
     path = write_result(
         args.name,
         {"prompts": len(prompts), "memory_budget_slots": budget, "args": vars(args), "rows": rows},
     )
     print(f"wrote {path}")
+
+
+STAGES = ("prefill_s", "decode_s", "scoring_s", "compaction_s", "host_s")
+
+
+def stage_split(results: list[jaxsr.Result]) -> dict[str, float]:
+    """Mean seconds per prompt in each stage of the searches' own accounting (compiling left out)."""
+    return {stage: float(np.mean([r.stats.get(stage, 0.0) for r in results])) for stage in STAGES}
 
 
 def kv_dtype_calls(lm, reward, prompts, budget_slots: int, settings, args) -> dict[str, Callable]:
@@ -207,7 +217,7 @@ def plot(rows: list[dict[str, Any]], args) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("wall seconds per prompt (this CPU, compile time left out)")
     ax.set_ylabel("score (Best-of-8 = 100)")
-    ax.set_title(f"SR job: {args.prompts} AlpacaFarm prompts, {args.max_new_tokens} new tokens")
+    ax.set_title(f"SR job: {args.prompts} prompts of {args.data}, {args.max_new_tokens} new tokens")
     ax.legend(fontsize=8)
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
