@@ -14,13 +14,16 @@ its fastest pass counts, and a repeated call must choose the same responses.
 Speedup at equal score: Best-of-N's wall time interpolated (log-linear in wall time) at the method's
 score ÷ the method's wall time.
 
+`--bon-rows 128` adds the largest Best-of-N decoding that many rows a call (the default is 64 a `data`
+shard): a baseline given the memory that SR's prompts in flight hold together.
+
 `--kv-dtypes float32 int8` adds, per KV dtype, Best-of-8 and every SR setting (at the largest
 `--concurrent`) with the budget given in bytes: Best-of-8's float32 KV bytes per prompt, so an int8
 cache fits more rows in the same memory (issue 29's comparison).
 
     python -m benchmarks.bench_sr_job [--data alpaca_farm_eval] [--prompts 24] [--skip-prompts 0]
         [--max-new-tokens 64] [--ns 8 16 32] [--sr 0.5/16 0.5/8 0.7/8]
-        [--concurrent 1 4 8] [--seed 0] [--repeats 2] [--kv-dtypes float32 int8]
+        [--concurrent 1 4 8] [--seed 0] [--repeats 2] [--bon-rows 128] [--kv-dtypes float32 int8]
 """
 
 from __future__ import annotations
@@ -101,6 +104,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="passes over every method; the fastest counts")
     parser.add_argument("--name", default="sr_job")
     parser.add_argument(
+        "--bon-rows", type=int, nargs="*", default=[],
+        help="also run the largest Best-of-N with this many rows a call",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-dtypes", nargs="*", default=[], choices=["float32", "int8"],
         help="also run Best-of-8 and SR with the KV cache in each, at a budget in bytes",
     )  # fmt: skip
@@ -115,6 +122,11 @@ def main() -> None:
     calls: dict[str, Callable[[], list[jaxsr.Result]]] = {}
     for n in sorted(args.ns):
         calls[f"Best-of-{n}"] = lambda n=n: jaxsr.best_of_n(lm, reward, prompts, n=n, **common)
+    curve_names = set(calls)
+    for max_rows in args.bon_rows:
+        calls[f"Best-of-{max(args.ns)}, {max_rows} rows a call"] = lambda r=max_rows: jaxsr.best_of_n(
+            lm, reward, prompts, n=max(args.ns), max_rows=r, **common
+        )
     settings = [tuple(setting.split("/")) for setting in args.sr]
     for i, (rate, segment) in enumerate(settings):
         for concurrent in args.concurrent if i == 0 else [max(args.concurrent)]:
@@ -145,7 +157,7 @@ def main() -> None:
                 "stage_s_per_prompt": stage_split(results),
             }
         )
-    curve = [(r["wall_s_per_prompt"], r["score"]) for r in rows if r["method"].startswith("Best-of")]
+    curve = [(r["wall_s_per_prompt"], r["score"]) for r in rows if r["method"] in curve_names]
     largest = rows[len(args.ns) - 1]
     for row in rows:
         equal, lower_bound = interpolate_compute(row["score"], curve)
@@ -163,7 +175,7 @@ def main() -> None:
     ]
     print(table(rows, columns))
     print(table([{"method": r["method"], **r["stage_s_per_prompt"]} for r in rows], ["method", *STAGES]))
-    plot(rows, args)
+    plot(rows, curve_names, args)
     path = write_result(
         args.name,
         {"prompts": len(prompts), "memory_budget_slots": budget, "args": vars(args), "rows": rows},
@@ -198,21 +210,21 @@ def kv_dtype_calls(lm, reward, prompts, budget_slots: int, settings, args) -> di
     return calls
 
 
-def plot(rows: list[dict[str, Any]], args) -> None:
+def plot(rows: list[dict[str, Any]], curve_names: set[str], args) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    bon = [r for r in rows if r["method"].startswith("Best-of")]
+    bon = [r for r in rows if r["method"] in curve_names]
     ax.plot(
         [r["wall_s_per_prompt"] for r in bon], [r["score"] for r in bon], "o-", label="Best-of-N, batched"
     )
     for r in bon:
         ax.annotate(r["method"].removeprefix("Best-of-"), (r["wall_s_per_prompt"], r["score"]))
     for r in rows:
-        if not r["method"].startswith("Best-of"):
+        if r["method"] not in curve_names:
             ax.plot(r["wall_s_per_prompt"], r["score"], "s", label=r["method"])
     ax.set_xscale("log")
     ax.set_xlabel("wall seconds per prompt (this CPU, compile time left out)")
