@@ -296,6 +296,36 @@ def test_best_of_n_decodes_as_many_rows_as_the_data_shards_hold(lm):
     ]
 
 
+@pytest.mark.parametrize("prompts_held", [4, 64])
+def test_best_of_n_without_a_budget_decodes_what_an_accelerator_holds(lm, monkeypatch, prompts_held):
+    """No `memory_budget`, on a device that reports its free memory: a Best-of-N call decodes the rows
+    `jaxsr plan` picks there (90% of it, each row's working memory counted, prompt slots to the
+    prompts' own bucket) — 32 rows where that memory holds 4 prompts' rows, all 16 prompts' 128 where
+    it holds more — not the CPU's 64; the same samples and choices as 64 rows."""
+    from jaxsr.jobs.config import JobConfig
+    from jaxsr.ladder import bucket
+    from jaxsr.plans.job import job_batch
+    from jaxsr.search import memory
+
+    prompts = [[1 + (i * 7 + j) % 50 for j in range(5)] for i in range(16)]
+    kwargs = dict(n=8, max_new_tokens=6, sampling=SAMPLING, seed=1)
+    cpu = jaxsr.best_of_n(lm, SelfLikelihood(), prompts, **kwargs)
+    sampler = as_sampler(lm, SAMPLING)
+    row = bucket(6) + memory.row_reserve(sampler, True)
+    slots = prompts_held * (bucket(5) + 8 * row)
+    free = int((slots + 0.5) * sampler.slot_bytes / memory.DEVICE_HEADROOM)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda devices: free)
+    config = JobConfig(method="best_of_n", reward="self_likelihood", n=8, max_new_tokens=6)
+    batch = job_batch(config, sampler, slots, bucket(5))
+    planned = batch.prompts * batch.rows
+    assert planned == min(8 * prompts_held, 512)  # what the plan compiles for this memory
+    wide = jaxsr.best_of_n(lm, SelfLikelihood(), prompts, **kwargs)
+    assert {r.stats["batch_rows"] for r in wide} == {min(planned, 128)}
+    assert {r.stats["batch_rows"] for r in cpu} == {64}
+    assert [[s.token_ids for s in r.samples] for r in wide] == [[s.token_ids for s in r.samples] for r in cpu]
+    assert [r.best.index for r in wide] == [r.best.index for r in cpu]
+
+
 def test_device_free_bytes_is_none_where_the_backend_reports_nothing():
     from jaxsr.search.memory import device_free_bytes
 

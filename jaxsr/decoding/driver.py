@@ -208,8 +208,8 @@ def as_sampler(sampler: Any, sampling: SamplingConfig | None) -> Sampler:
 
 def default_rows(sampler: Sampler) -> int:
     """Rows one call decodes when not told (`max_rows=None`): DEFAULT_MAX_ROWS a `data` shard, times
-    the shards, rounded down to a power of two. (Not yet from free memory: a batch's prompt caches and
-    its prefill's activations take memory that no plan counts yet.)"""
+    the shards, rounded down to a power of two. (Best-of-N on a device that reports its free memory
+    takes what it holds instead: `search.memory.best_of_n_rows`.)"""
     return 1 << ((DEFAULT_MAX_ROWS * data_shards(sampler.mesh)).bit_length() - 1)
 
 

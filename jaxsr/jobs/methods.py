@@ -117,7 +117,7 @@ def build_solver(config: JobConfig) -> Solver:
     if config.method in ("speculative_rejection", "tree_best_of_n"):
         return Solver(solve, prompts_per_call(config), check)
     programs = batch_programs(config, sampler, Options(**common))
-    least = least_slots(config.memory_budget) if config.method == "best_of_n" else MIN_SLAB_LENGTH
+    least = least_slots(sampler, config.memory_budget) if config.method == "best_of_n" else MIN_SLAB_LENGTH
     length_class = functools.partial(slab_length, least=least)
     return Solver(solve, prompts_per_call(config), check, programs, length_class)
 

@@ -26,7 +26,7 @@ from jaxsr.search.candidates import (
     score_samples,
     token_scorer,
 )
-from jaxsr.search.memory import best_of_n_rows
+from jaxsr.search.memory import best_of_n_rows, derived
 from jaxsr.timing import Stopwatch
 
 
@@ -52,7 +52,8 @@ def best_of_n(
     `model` is a language model or a two-model `Sampler` (`jaxsr.speculative_decoder` etc.). With a
     `memory_budget` (KV token slots or bytes) the N rows are decoded in chunks that fit it, prompt
     caches included (`stats["kv_bytes"]`: the caches of the batch a prompt was decoded in); `max_rows`
-    caps the rows decoded together (default: 64 a `data` shard, or what the budget holds). Prompts
+    caps the rows decoded together (default: what the budget holds; without one, what a GPU's or
+    TPU's free memory holds, decode-step working memory counted, and on CPU 64 a `data` shard). Prompts
     stream through the batch (`jaxsr.decoding.continuous`): `on_result(i, result)` is called with
     prompt `i`'s result as soon as its samples are scored."""
     sampler = as_sampler(model, sampling)
@@ -117,20 +118,26 @@ def budgeted_rows(
     max_new_tokens: int,
     max_rows: int | None = None,
 ) -> tuple[int, int]:
-    """Best-of-N's most rows decoded together and its slabs' fewest prompt slots: without a budget,
-    `default_rows` and `MIN_SLAB_LENGTH`; within one, the rows it holds (`best_of_n_rows`) and no
-    prompt slot beyond a prompt's own bucket (the budget counts them). `max_rows` caps the rows."""
-    if memory_budget is None:
-        rows = default_rows(sampler)
-    else:
+    """Best-of-N's most rows decoded together and its slabs' fewest prompt slots: within a budget
+    (given, or an accelerator's free memory when none is), the rows it holds (`best_of_n_rows`) and no
+    prompt slot beyond a prompt's own bucket (the budget counts them); else (CPU, no budget)
+    `default_rows` and `MIN_SLAB_LENGTH`. `max_rows` caps the rows."""
+    if budgeted(sampler, memory_budget):
         rows = best_of_n_rows(sampler, memory_budget, encoded, n, max_new_tokens)
-    return rows if max_rows is None else min(rows, max_rows), least_slots(memory_budget)
+    else:
+        rows = default_rows(sampler)
+    return rows if max_rows is None else min(rows, max_rows), least_slots(sampler, memory_budget)
 
 
-def least_slots(memory_budget: int | str | None) -> int:
-    """Best-of-N's slabs' fewest prompt slots (`continuous.slab_length`): `MIN_SLAB_LENGTH`, or none
-    beyond a prompt's own bucket within a memory budget (the budget counts them)."""
-    return MIN_SLAB_LENGTH if memory_budget is None else 1
+def budgeted(sampler: Sampler, memory_budget: int | str | None) -> bool:
+    """Whether Best-of-N's rows come from a memory budget: one given, or the devices' free memory."""
+    return memory_budget is not None or derived(sampler, memory_budget)
+
+
+def least_slots(sampler: Sampler, memory_budget: int | str | None) -> int:
+    """Best-of-N's slabs' fewest prompt slots (`continuous.slab_length`): none beyond a prompt's own
+    bucket within a memory budget (the budget counts them), else `MIN_SLAB_LENGTH`."""
+    return 1 if budgeted(sampler, memory_budget) else MIN_SLAB_LENGTH
 
 
 def score_rows(lm: Model, reward: Any, items: list[tuple[Any, list[int], Any]], request: Request) -> list:

@@ -198,9 +198,11 @@ def best_of_n_rows(
 ) -> int:
     """The rows one Best-of-N batch may decode within `memory_budget` (a power of two), prompt caches
     included: n samples of a prompt in chunks when a batch cannot hold them all, several prompts
-    (each with its own prompt cache) when it holds more."""
+    (each with its own prompt cache) when it holds more. `None` (on a device that tells) is the fullest
+    device's free memory with each row's decode-step working memory counted, as `jaxsr plan` counts it
+    (one device's memory: the rows then split over the `data` shards)."""
     slots = budget_slots(memory_budget, sampler.slot_bytes, mesh=sampler.mesh)
-    per_row = bucket(max_new_tokens) + sampler.headroom  # a budget given counts KV only
+    per_row = bucket(max_new_tokens) + row_reserve(sampler, derived(sampler, memory_budget))
     return rows_within(slots, bucket(max(map(len, encoded))), per_row, n)
 
 
