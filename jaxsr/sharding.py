@@ -243,7 +243,11 @@ def padded_rows(rows: int, mesh: Mesh | None, groups: int = 1) -> int:
     """`rows` per group rounded up so that `groups` groups of them divide over the `data` shards: a
     decode batch padded with dead rows to this size splits over the shards instead of being replicated
     on each (results are unchanged)."""
-    shards = data_shards(mesh)
+    return padded_over(rows, data_shards(mesh), groups)
+
+
+def padded_over(rows: int, shards: int, groups: int = 1) -> int:
+    """`padded_rows` for `shards` `data` shards (the arithmetic alone, for a plan)."""
     step = shards // math.gcd(shards, groups)
     return -(-rows // step) * step
 

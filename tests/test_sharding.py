@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax
@@ -296,12 +297,16 @@ def test_best_of_n_decodes_as_many_rows_as_the_data_shards_hold(lm):
     ]
 
 
-@pytest.mark.parametrize("prompts_held", [4, 64])
-def test_best_of_n_without_a_budget_decodes_what_an_accelerator_holds(lm, monkeypatch, prompts_held):
-    """No `memory_budget`, on a device that reports its free memory: a Best-of-N call decodes the rows
-    `jaxsr plan` picks there (90% of it, each row's working memory counted, prompt slots to the
-    prompts' own bucket) — 32 rows where that memory holds 4 prompts' rows, all 16 prompts' 128 where
-    it holds more — not the CPU's 64; the same samples and choices as 64 rows."""
+# (data shards, prompt caches and rows one device holds, rows the plan compiles, rows a call decodes)
+HELD = [(1, (4, 32), 32, 32), (1, (64, 512), 512, 128), (8, (4, 4), 32, 32)]
+
+
+@pytest.mark.parametrize(("data", "held", "planned", "rows"), HELD)
+def test_best_of_n_without_a_budget_takes_what_a_device_holds(lm, monkeypatch, data, held, planned, rows):
+    """No `memory_budget`, on devices that report their free memory: a Best-of-N call decodes the rows
+    `jaxsr plan` picks there (90% of the fullest device, each row's working memory counted, prompt
+    slots to the prompts' own bucket, every `data` shard counted; a call takes at most its 16 prompts'
+    128), not the CPU's 64, with the same samples and choices."""
     from jaxsr.jobs.config import JobConfig
     from jaxsr.ladder import bucket
     from jaxsr.plans.job import job_batch
@@ -310,20 +315,46 @@ def test_best_of_n_without_a_budget_decodes_what_an_accelerator_holds(lm, monkey
     prompts = [[1 + (i * 7 + j) % 50 for j in range(5)] for i in range(16)]
     kwargs = dict(n=8, max_new_tokens=6, sampling=SAMPLING, seed=1)
     cpu = jaxsr.best_of_n(lm, SelfLikelihood(), prompts, **kwargs)
-    sampler = as_sampler(lm, SAMPLING)
-    row = bucket(6) + memory.row_reserve(sampler, True)
-    slots = prompts_held * (bucket(5) + 8 * row)
+    model = lm if data == 1 else shard_model(lm, make_mesh(data=data))
+    sampler = as_sampler(model, SAMPLING)
+    slots = held[0] * bucket(5) + held[1] * (bucket(6) + memory.row_reserve(sampler, True))
     free = int((slots + 0.5) * sampler.slot_bytes / memory.DEVICE_HEADROOM)
     monkeypatch.setattr(memory, "device_free_bytes", lambda devices: free)
-    config = JobConfig(method="best_of_n", reward="self_likelihood", n=8, max_new_tokens=6)
-    batch = job_batch(config, sampler, slots, bucket(5))
-    planned = batch.prompts * batch.rows
-    assert planned == min(8 * prompts_held, 512)  # what the plan compiles for this memory
-    wide = jaxsr.best_of_n(lm, SelfLikelihood(), prompts, **kwargs)
-    assert {r.stats["batch_rows"] for r in wide} == {min(planned, 128)}
+    job = dict(method="best_of_n", reward="self_likelihood", n=8, max_new_tokens=6, mesh_data=data)
+    batch = job_batch(JobConfig(**job), sampler, slots, bucket(5))
+    assert batch.prompts * batch.rows == planned
+    capped = job_batch(JobConfig(**job, max_rows=16), sampler, slots, bucket(5))
+    assert capped.prompts * capped.rows == 16  # as a call caps its rows
+    wide = jaxsr.best_of_n(model, SelfLikelihood(), prompts, **kwargs)
+    assert {r.stats["batch_rows"] for r in wide} == {rows}
     assert {r.stats["batch_rows"] for r in cpu} == {64}
     assert [[s.token_ids for s in r.samples] for r in wide] == [[s.token_ids for s in r.samples] for r in cpu]
     assert [r.best.index for r in wide] == [r.best.index for r in cpu]
+
+
+def test_best_of_n_rows_count_the_data_shards_and_fit_on_each():
+    """The slab a call lays out from `rows_within`'s rows (G = min(n, rows) a slot, rows // G slots)
+    puts on each of `shards` devices every slot's prompt cache and 1/shards of the padded rows: that
+    fits the slots, and more shards never give fewer rows; one shard is one pool of slots, as before."""
+    from jaxsr.search import memory
+    from jaxsr.sharding import padded_over
+
+    floor = lambda x: 1 << x.bit_length() - 1
+    cases = itertools.product([300, 1000, 5000], [8, 64], [7, 40], [3, 8])
+    for slots, prompt, row, n in ((s, p, r, n) for s, p, r, n in cases if s >= p + r):
+        by_shards = {}
+        for shards in (1, 2, 8):
+            rows = by_shards[shards] = memory.rows_within(slots, prompt, row, n, shards)
+            samples = min(n, rows)
+            prompts = floor(rows // samples)
+            on_device = prompts * prompt + prompts * padded_over(samples, shards, prompts) // shards * row
+            assert on_device <= slots, (slots, prompt, row, n, shards)
+        most = floor((slots - prompt) // row)
+        one_pool = min(most, min(n, most) * floor(max(1, slots // (prompt + min(n, most) * row))))
+        case = (slots, prompt, row, n)
+        assert by_shards[1] == one_pool and by_shards[1] <= by_shards[2] <= by_shards[8], case
+    assert memory.rows_within(4 * 8 + 4 * 40, 8, 40, 8, shards=8) == 32  # 4 prompts' 8 rows, 4 a device
+    assert memory.rows_within(4 * 8 + 4 * 40, 8, 40, 8) == 4  # one pool: 4 of a prompt's rows
 
 
 def test_device_free_bytes_is_none_where_the_backend_reports_nothing():

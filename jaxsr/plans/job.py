@@ -250,13 +250,16 @@ def given_slots(memory_budget: int | str | None, slot_bytes: int) -> int | None:
 
 def job_batch(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: int) -> Batch:
     """The first batch the job decodes: Speculative Rejection's first rung of every prompt in flight,
-    Best-of-N's widest batch in `budget` slots, or a batch of `max_rows` (default: `default_rows`)."""
+    Best-of-N's widest batch in `budget` slots (a derived budget: on each `data` shard, as
+    `best_of_n_rows`) up to `max_rows`, or a batch of `max_rows` (default: `default_rows`)."""
     mesh, new = sampler.mesh, config.max_new_tokens
     if config.method == "speculative_rejection":
         return first_rung(config, sampler, budget, prompt_slots)
     if config.method == "best_of_n":
-        row = bucket(new) + row_reserve(sampler, config.memory_budget is None)
-        rows, samples = rows_within(budget, prompt_slots, row, config.n), config.n
+        derived = config.memory_budget is None
+        row, shards = bucket(new) + row_reserve(sampler, derived), data_shards(mesh) if derived else 1
+        rows = rows_within(budget, prompt_slots, row, config.n, shards)
+        rows, samples = min(rows, config.max_rows or rows), config.n
     else:
         rows, samples = config.max_rows or default_rows(sampler), config.num_samples
     layout = next(batches([[0] * prompt_slots] * rows, samples, rows, mesh))[0]

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jaxsr.checks import available_bytes, device_free_bytes, format_bytes, is_int
 from jaxsr.decoding.driver import Sampler
 from jaxsr.ladder import bucket
-from jaxsr.sharding import data_shards
+from jaxsr.sharding import data_shards, padded_over
 
 _UNITS = {
     "": 1,
@@ -196,22 +196,36 @@ class MemoryPlan:
 def best_of_n_rows(
     sampler: Sampler, memory_budget: Any, encoded: list[list[int]], n: int, max_new_tokens: int
 ) -> int:
-    """The rows one Best-of-N batch may decode within `memory_budget` (a power of two), prompt caches
-    included: n samples of a prompt in chunks when a batch cannot hold them all, several prompts
-    (each with its own prompt cache) when it holds more. `None` (on a device that tells) is the fullest
-    device's free memory with each row's decode-step working memory counted, as `jaxsr plan` counts it
-    (one device's memory: the rows then split over the `data` shards)."""
+    """The rows one Best-of-N batch may decode within `memory_budget`, prompt caches included: n
+    samples of a prompt in chunks when a batch cannot hold them all, several prompts (each with its
+    own prompt cache) when it holds more. `None` (on a device that tells) is the fullest device's free
+    memory on every `data` shard, each row's decode-step working memory counted, as `jaxsr plan`
+    counts it; a budget given is one pool of KV slots."""
     slots = budget_slots(memory_budget, sampler.slot_bytes, mesh=sampler.mesh)
-    per_row = bucket(max_new_tokens) + row_reserve(sampler, derived(sampler, memory_budget))
-    return rows_within(slots, bucket(max(map(len, encoded))), per_row, n)
+    from_device = derived(sampler, memory_budget)
+    per_row = bucket(max_new_tokens) + row_reserve(sampler, from_device)
+    shards = data_shards(sampler.mesh) if from_device else 1
+    return rows_within(slots, bucket(max(map(len, encoded))), per_row, n, shards)
 
 
-def rows_within(slots: int, prompt_slots: int, per_row: int, n: int) -> int:
-    """`best_of_n_rows` for a budget of `slots` KV slots, prompts of `prompt_slots` and rows of
-    `per_row` (the arithmetic alone: a plan's devices cannot be asked for free memory)."""
-    if slots < prompt_slots + per_row:
+def rows_within(slots: int, prompt_slots: int, per_row: int, n: int, shards: int = 1) -> int:
+    """`best_of_n_rows` for `slots` KV slots on each of `shards` `data` shards, prompts of
+    `prompt_slots` and rows of `per_row` (the arithmetic alone: a plan's devices cannot be asked for
+    free memory). Every prompt's cache counts on every shard (replicated unless the batch's prompts
+    divide over them); the rows split over the shards, mesh padding counted."""
+    room = slots - prompt_slots
+    if room < per_row:
         raise ValueError(f"memory_budget: {slots} KV slots cannot hold one row ({prompt_slots + per_row})")
-    max_rows = max(1, 1 << ((slots - prompt_slots) // per_row).bit_length() - 1)
+    max_rows = 1 << (room // per_row * shards).bit_length() - 1
     samples = min(n, max_rows)
-    prompts_per_batch = max(1, slots // (prompt_slots + samples * per_row))
-    return min(max_rows, samples * (1 << (prompts_per_batch.bit_length() - 1)))
+    fits = lambda prompts: prompts * prompt_slots + shard_rows(prompts, samples, shards) * per_row <= slots
+    prompts = 1
+    while fits(2 * prompts):
+        prompts *= 2
+    return min(max_rows, samples * prompts)
+
+
+def shard_rows(prompts: int, samples: int, shards: int) -> int:
+    """Rows on each of `shards` `data` shards of a batch of `prompts` prompts' `samples` rows, padded
+    as the driver pads them to split over the shards (`sharding.padded_rows`)."""
+    return prompts * padded_over(samples, shards, prompts) // shards
