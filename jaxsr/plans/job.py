@@ -23,10 +23,10 @@ from jaxsr.plans.targets import GIB, Target, target_mesh
 from jaxsr.search.memory import (
     DEVICE_HEADROOM,
     MemoryPlan,
+    best_of_n_rows_in,
     mesh_budget,
     parse_bytes,
     row_reserve,
-    rows_within,
 )
 from jaxsr.sharding import data_shards, padded_rows
 
@@ -256,9 +256,7 @@ def job_batch(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: in
     if config.method == "speculative_rejection":
         return first_rung(config, sampler, budget, prompt_slots)
     if config.method == "best_of_n":
-        derived = config.memory_budget is None
-        row, shards = bucket(new) + row_reserve(sampler, derived), data_shards(mesh) if derived else 1
-        rows = rows_within(budget, prompt_slots, row, config.n, shards)
+        rows = best_of_n_rows_in(sampler, budget, prompt_slots, config.n, new, config.memory_budget is None)
         rows, samples = min(rows, config.max_rows or rows), config.n
     else:
         rows, samples = config.max_rows or default_rows(sampler), config.num_samples

@@ -202,10 +202,18 @@ def best_of_n_rows(
     memory on every `data` shard, each row's decode-step working memory counted, as `jaxsr plan`
     counts it; a budget given is one pool of KV slots."""
     slots = budget_slots(memory_budget, sampler.slot_bytes, mesh=sampler.mesh)
-    from_device = derived(sampler, memory_budget)
+    prompt_slots, from_device = bucket(max(map(len, encoded))), derived(sampler, memory_budget)
+    return best_of_n_rows_in(sampler, slots, prompt_slots, n, max_new_tokens, from_device)
+
+
+def best_of_n_rows_in(
+    sampler: Sampler, slots: int, prompt_slots: int, n: int, max_new_tokens: int, from_device: bool
+) -> int:
+    """`best_of_n_rows` within `slots` already known (a plan's chip): a budget `from_device` is each
+    `data` shard's and counts each row's working memory; a budget given is one pool of KV slots."""
     per_row = bucket(max_new_tokens) + row_reserve(sampler, from_device)
     shards = data_shards(sampler.mesh) if from_device else 1
-    return rows_within(slots, bucket(max(map(len, encoded))), per_row, n, shards)
+    return rows_within(slots, prompt_slots, per_row, n, shards)
 
 
 def rows_within(slots: int, prompt_slots: int, per_row: int, n: int, shards: int = 1) -> int:
