@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jaxsr.cli import main
-from jaxsr.decoding import loop
+from jaxsr.decoding import loop, memory
 from jaxsr.decoding.driver import as_sampler
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import JobConfig, load_job_config
@@ -37,9 +37,8 @@ from jaxsr.plans import (
     target_mesh,
 )
 from jaxsr.plans.compiled import abstract_tokens, compile_for
-from jaxsr.plans.job import dominated, first_rung, job_sampler
+from jaxsr.plans.job import dominated, first_rung, job_batch, job_sampler
 from jaxsr.plans.targets import LIBRARY_ENV, has_libtpu
-from jaxsr.search import memory
 from jaxsr.sharding import on_mesh
 
 SIDE_LIBTPU = Path(sys.prefix) / "libtpu" / "libtpu" / "libtpu.so"
@@ -464,7 +463,16 @@ def test_best_of_n_rows_of_a_plan_are_the_searchs_own():
         (700, 4, 128, 128, 4),
     ]:
         ours = memory.rows_within(slots, bucket(prompt), bucket(new), n)  # what a plan calls
-        assert ours == rows == memory.best_of_n_rows(sampler, slots, [[0] * prompt], n, new), (slots, n)
+        assert ours == rows == memory.budget_rows(sampler, slots, [[0] * prompt], n, new), (slots, n)
+
+
+def test_a_tree_best_of_n_plan_decodes_n_rows_of_each_prompt_in_flight():
+    """TreeBoN keeps N rows a prompt at every layer, `concurrent_prompts` prompts in one batch (the
+    scheduler's layout), whatever the memory: its plan is that batch, not a decoding call's."""
+    job = JobConfig(method="tree_best_of_n", reward="self_likelihood", n=8, branch=2, layers=2)
+    batch = job_batch(job, types.SimpleNamespace(mesh=None), 10**6, 64)
+    shape = (batch.prompts, batch.rows, batch.prompt_slots, batch.segment)
+    assert shape == (job.concurrent_prompts, 8, 64, None)
 
 
 def reward_checkpoint(tmp_path) -> str:

@@ -13,8 +13,9 @@ import jaxsr
 from jaxsr.decoding import loop, state
 from jaxsr.decoding.driver import as_sampler
 from jaxsr.decoding.inputs import Options, prepare
+from jaxsr.decoding.memory import budget_slots, parse_bytes
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.search.memory import batch_ladder, budget_slots, parse_bytes
+from jaxsr.search.memory import batch_ladder
 from jaxsr.search.scheduler import Batch, Decision, PromptSearch, run_searches
 from jaxsr.search.speculative_rejection import keep_mask
 

@@ -209,7 +209,7 @@ class FakeAccelerator:
 
 
 def test_a_derived_memory_budget_is_the_fullest_mesh_device(monkeypatch):
-    from jaxsr.search import memory
+    from jaxsr.decoding import memory
 
     mesh = make_mesh(data=4, model=2, devices=jax.devices()[::-1])  # its fullest device is not device 0
     fake = {d: FakeAccelerator(1000 + 100 * d.id) for d in jax.devices()}
@@ -225,7 +225,8 @@ def test_a_derived_search_budget_is_shared_by_the_prompts_in_flight(lm, monkeypa
     """Derived from the device, a prompt's budget is the fullest device's free slots split among the
     prompts in flight (with `n` given or not), then counted over the `data` shards (`mesh_budget`),
     each row's working memory beside its cache counted (`row_reserve`)."""
-    from jaxsr.search import memory
+    from jaxsr.decoding import memory
+    from jaxsr.search import memory as search_memory
 
     sampler = as_sampler(shard_model(lm, make_mesh(data=4, model=2)), SAMPLING)
     monkeypatch.setattr(memory, "device_free_bytes", lambda devices: 10**6)
@@ -234,11 +235,12 @@ def test_a_derived_search_budget_is_shared_by_the_prompts_in_flight(lm, monkeypa
     work = -(-6 * 4 * (lm.config.vocab_size // 2) // sampler.slot_bytes)
     assert memory.row_reserve(sampler, True) == work and memory.row_reserve(sampler, False) == 0
     row = 32 + work
-    assert memory.prompt_budget(sampler, None, 16, 32, None, copies=1) == 16 + 4 * (one_device - 16 - row)
+    alone = search_memory.prompt_budget(sampler, None, 16, 32, None, copies=1)
+    assert alone == 16 + 4 * (one_device - 16 - row)
     half = one_device // 2
-    assert memory.prompt_budget(sampler, None, 16, 32, 8, copies=2) == 16 + 4 * (half - 16 - row)
-    assert memory.prompt_budget(sampler, 4096, 16, 32, None, copies=2) == 4096  # as given
-    assert memory.mesh_budget(85, 16, 64, shards=8) == 85  # one device's share when it is more
+    assert search_memory.prompt_budget(sampler, None, 16, 32, 8, copies=2) == 16 + 4 * (half - 16 - row)
+    assert search_memory.prompt_budget(sampler, 4096, 16, 32, None, copies=2) == 4096  # as given
+    assert search_memory.mesh_budget(85, 16, 64, shards=8) == 85  # one device's share when it is more
 
 
 def test_a_derived_search_budget_counts_the_data_shards_and_fits_on_each_device(lm, monkeypatch):
@@ -246,8 +248,8 @@ def test_a_derived_search_budget_counts_the_data_shards_and_fits_on_each_device(
     shards 15 (2 a device: each row's working memory counted beside its cache), and no round puts more
     than 80 slots on a device (prompt cache on each, rows split and their working memory, mesh padding
     counted). The search is the one a single device runs with the same budget."""
+    from jaxsr.decoding import memory
     from jaxsr.rewards import SelfLikelihood
-    from jaxsr.search import memory
 
     sharded = shard_model(lm, make_mesh(data=8))
     slot_bytes = lm.kv_slot_bytes
@@ -307,10 +309,10 @@ def test_best_of_n_without_a_budget_takes_what_a_device_holds(lm, monkeypatch, d
     `jaxsr plan` picks there (90% of the fullest device, each row's working memory counted, prompt
     slots to the prompts' own bucket, every `data` shard counted; a call takes at most its 16 prompts'
     128), not the CPU's 64, with the same samples and choices."""
+    from jaxsr.decoding import memory
     from jaxsr.jobs.config import JobConfig
     from jaxsr.ladder import bucket
     from jaxsr.plans.job import job_batch
-    from jaxsr.search import memory
 
     prompts = [[1 + (i * 7 + j) % 50 for j in range(5)] for i in range(16)]
     kwargs = dict(n=8, max_new_tokens=6, sampling=SAMPLING, seed=1)
@@ -332,11 +334,47 @@ def test_best_of_n_without_a_budget_takes_what_a_device_holds(lm, monkeypatch, d
     assert [r.best.index for r in wide] == [r.best.index for r in cpu]
 
 
+# (data shards, prompt caches and rows one device holds, rows the plan compiles, rows a call decodes)
+GENERATE_HELD = [(1, (4, 8), 8, 8), (1, (64, 128), 128, 32), (8, (8, 8), 16, 16)]
+
+
+@pytest.mark.parametrize(("data", "held", "planned", "rows"), GENERATE_HELD)
+def test_generate_without_max_rows_takes_what_a_device_holds(lm, monkeypatch, data, held, planned, rows):
+    """No `max_rows`, on devices that report their free memory: plain decoding (and so every decoding
+    and pair-method job) decodes the rows `jaxsr plan` picks there, sized as Best-of-N's (on 8 shards
+    more than one device holds), not the CPU's 64 a shard; `max_rows` caps it; same tokens."""
+    from jaxsr.decoding import memory
+    from jaxsr.jobs.config import JobConfig
+    from jaxsr.ladder import bucket
+    from jaxsr.plans.job import job_batch
+
+    prompts = [[1 + (i * 7 + j) % 50 for j in range(5)] for i in range(16)]
+    kwargs = dict(num_samples=2, max_new_tokens=6, sampling=SAMPLING, seed=1)
+    cpu = jaxsr.generate(lm, prompts, **kwargs)
+    model = lm if data == 1 else shard_model(lm, make_mesh(data=data))
+    sampler = as_sampler(model, SAMPLING)
+    slots = held[0] * bucket(5) + held[1] * (bucket(6) + memory.row_reserve(sampler, True))
+    free = int((slots + 0.5) * sampler.slot_bytes / memory.DEVICE_HEADROOM)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda devices: free)
+    job = dict(method="generate", num_samples=2, max_new_tokens=6, mesh_data=data)
+    batch = job_batch(JobConfig(**job), sampler, slots, bucket(5))
+    assert batch.prompts * batch.rows == planned
+    cap = 4 if data == 1 else 8  # 8 shards pad fewer rows to 8
+    capped = job_batch(JobConfig(**job, max_rows=cap), sampler, slots, bucket(5))
+    assert capped.prompts * capped.rows == cap
+    wide = jaxsr.generate(model, prompts, **kwargs)
+    assert {r.stats["batch_rows"] for r in wide} == {rows}
+    assert {r.stats["batch_rows"] for r in cpu} == {32}
+    assert tokens_of(wide) == tokens_of(cpu)
+    narrow = jaxsr.generate(model, prompts, max_rows=cap, **kwargs)
+    assert {r.stats["batch_rows"] for r in narrow} == {cap} and tokens_of(narrow) == tokens_of(cpu)
+
+
 def test_best_of_n_rows_count_the_data_shards_and_fit_on_each():
     """The slab a call lays out from `rows_within`'s rows (G = min(n, rows) a slot, rows // G slots)
     puts on each of `shards` devices every slot's prompt cache and 1/shards of the padded rows: that
     fits the slots, and more shards never give fewer rows; one shard is one pool of slots, as before."""
-    from jaxsr.search import memory
+    from jaxsr.decoding import memory
     from jaxsr.sharding import padded_over
 
     floor = lambda x: 1 << x.bit_length() - 1
@@ -358,7 +396,7 @@ def test_best_of_n_rows_count_the_data_shards_and_fit_on_each():
 
 
 def test_device_free_bytes_is_none_where_the_backend_reports_nothing():
-    from jaxsr.search.memory import device_free_bytes
+    from jaxsr.decoding.memory import device_free_bytes
 
     assert device_free_bytes(jax.devices()[:2]) is None  # CPU
     assert device_free_bytes([FakeAccelerator(500), FakeAccelerator(300)]) == 300

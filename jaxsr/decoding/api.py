@@ -18,7 +18,7 @@ from jaxsr.checks import check_bool, check_positive_int, check_responses_fit, ch
 from jaxsr.decoding import cost
 from jaxsr.decoding.continuous import decode
 from jaxsr.decoding.contrast import ContrastKind, make_contrast
-from jaxsr.decoding.driver import Run, Sampler, as_sampler, default_rows, samples_of
+from jaxsr.decoding.driver import Run, Sampler, as_sampler, samples_of
 from jaxsr.decoding.inputs import (
     Options,
     Request,
@@ -26,6 +26,7 @@ from jaxsr.decoding.inputs import (
     check_pair,
     prepare,
 )
+from jaxsr.decoding.memory import call_rows
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.speculative import SpeculativeContrastiveDecoding, SpeculativeDecoding
 from jaxsr.decoding.state import DecodeState
@@ -129,9 +130,9 @@ def decode_request(
     writes each and keeps none). `wall_s` is the seconds spent on the prompt (its shares of prefill,
     decoding and compiling); speculative methods add γ and the prompt's acceptance (`cost`)."""
     num_samples = check_positive_int("num_samples", num_samples)
-    if max_rows is None:
-        max_rows = default_rows(sampler)
-    max_rows = check_positive_int("max_rows", max_rows)
+    if max_rows is not None:
+        max_rows = check_positive_int("max_rows", max_rows)
+    max_rows, least = call_rows(sampler, None, request.encoded, num_samples, request.max_new_tokens, max_rows)
     rows = len(request.encoded) * num_samples
     check_responses_fit("num_samples", rows, request.max_new_tokens)
     mesh = sampler.mesh
@@ -152,7 +153,9 @@ def decode_request(
             samples = samples_of(sampler.target, rows, request.stop)
             on_result(i, Result(prompt=request.prompts[i], samples=samples, stats=stats))
 
-    return decode(sampler, request, num_samples=num_samples, max_rows=max_rows, on_done=done)
+    return decode(
+        sampler, request, num_samples=num_samples, max_rows=max_rows, on_done=done, least_slots=least
+    )
 
 
 NOT_MEASURED = {"cost_ratio": None, "verify_cost_ratio": None, "expected_speedup": None}
@@ -188,8 +191,9 @@ def speculative_call_stats(
         contrast = sampler.contrast if contrastive else None
         reference_sampler = Sampler(models, reference, contrast, sampler.sampling)
         base_s = decode(
-            reference_sampler, request, num_samples=run.num_samples, max_rows=run.max_rows
-        ).decode_s
+            reference_sampler, request, num_samples=run.num_samples, max_rows=run.max_rows,
+            least_slots=run.least_slots,
+        ).decode_s  # fmt: skip
         for st in stats:
             st.update(
                 baseline_decode_s=base_s / len(request.encoded),
@@ -216,7 +220,8 @@ def generate(
     language model, or with any `Sampler` (a speculative or contrastive decoder, or your own `Method`);
     `sampling` None keeps the sampler's own (a model's: `SamplingConfig()`).
 
-    `max_rows` bounds the rows decoded together (None: 64 a `data` shard); `prompt_offset` is the
+    `max_rows` bounds the rows decoded together (None: what a GPU's or TPU's free memory holds, each
+    row's decode-step working memory counted, and on CPU 64 a `data` shard); `prompt_offset` is the
     index of `prompts[0]` in a larger job, or a list of each prompt's index, so split, reordered or
     resumed jobs draw the same random streams as one whole call."""
     sampler = as_sampler(model, sampling)

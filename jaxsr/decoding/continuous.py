@@ -138,7 +138,7 @@ def decode(
     With `on_done`, prompts are handed over as they end and the run keeps none of them. `least_slots`:
     a slab's fewest prompt slots (`slab_length`)."""
     sampler = sampler.with_sampling(request.sampling)
-    run = Run([], [], 0.0, num_samples, max_rows)
+    run = Run([], [], 0.0, num_samples, max_rows, least_slots)
     done: dict[int, tuple[DecodeState, dict]] = {}
     keep = on_done or (lambda finished: done.update((i, (rows, stats)) for i, rows, stats in finished))
     lengths = [len(ids) for ids in request.encoded]

@@ -208,8 +208,8 @@ def as_sampler(sampler: Any, sampling: SamplingConfig | None) -> Sampler:
 
 def default_rows(sampler: Sampler) -> int:
     """Rows one call decodes when not told (`max_rows=None`): DEFAULT_MAX_ROWS a `data` shard, times
-    the shards, rounded down to a power of two. (Best-of-N on a device that reports its free memory
-    takes what it holds instead: `search.memory.best_of_n_rows`.)"""
+    the shards, rounded down to a power of two — on CPU: a device that reports its free memory takes
+    what it holds instead (`decoding.memory.call_rows`)."""
     return 1 << ((DEFAULT_MAX_ROWS * data_shards(sampler.mesh)).bit_length() - 1)
 
 
@@ -364,9 +364,10 @@ class Run:
     stats: list[dict[str, Any]]
     decode_s: float
     """Total decode time of the call (rows' set-up and token loops; compilation excluded)."""
-    num_samples: int = 1
-    max_rows: int = DEFAULT_MAX_ROWS
-    """The call's samples per prompt and most rows decoded together."""
+    num_samples: int
+    max_rows: int
+    least_slots: int
+    """The call's samples per prompt, most rows decoded together and its slabs' fewest prompt slots."""
     shapes: Any = None
     """Shapes of the last batch's row caches and prompt caches (for `cost.measure_call_costs`: shapes
     only, so that no finished batch's cache stays alive while the next one decodes)."""

@@ -15,9 +15,10 @@ from jaxsr.decoding.api import (
     speculative_contrastive_decoder,
     speculative_decoder,
 )
-from jaxsr.decoding.continuous import MIN_SLAB_LENGTH, length_classes, slab_length, slab_programs
-from jaxsr.decoding.driver import Sampler, as_sampler, default_rows
+from jaxsr.decoding.continuous import length_classes, slab_length, slab_programs
+from jaxsr.decoding.driver import Sampler, as_sampler
 from jaxsr.decoding.inputs import Options, Request, prepare
+from jaxsr.decoding.memory import call_rows, least_slots
 from jaxsr.jobs.ahead import Programs
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.ladder import bucket
@@ -25,7 +26,6 @@ from jaxsr.loading.resolve import mesh_from_keys, resolve_model, resolve_reward
 from jaxsr.models.model import Model
 from jaxsr.results import Result
 from jaxsr.rewards import Reward
-from jaxsr.search.best_of_n import budgeted_rows, least_slots
 from jaxsr.search.best_of_n import search as search_best_of_n
 from jaxsr.search.candidates import check_reward
 from jaxsr.search.speculative_rejection import speculative_rejection
@@ -117,8 +117,7 @@ def build_solver(config: JobConfig) -> Solver:
     if config.method in ("speculative_rejection", "tree_best_of_n"):
         return Solver(solve, prompts_per_call(config), check)
     programs = batch_programs(config, sampler, Options(**common))
-    least = least_slots(sampler, config.memory_budget) if config.method == "best_of_n" else MIN_SLAB_LENGTH
-    length_class = functools.partial(slab_length, least=least)
+    length_class = functools.partial(slab_length, least=least_slots(sampler, call_budget(config)))
     return Solver(solve, prompts_per_call(config), check, programs, length_class)
 
 
@@ -146,7 +145,7 @@ def batch_programs(config: JobConfig, sampler: Sampler, options: Options) -> Cal
 
     def programs(lengths: list[int]) -> Programs:
         decoding, request = calls()
-        samples, max_rows, least = call_rows(config, decoding, lengths)
+        samples, max_rows, least = job_call_rows(config, decoding, lengths)
         classes = length_classes(lengths, samples, max_rows, decoding.mesh, least)
         return {
             key: compile_
@@ -157,16 +156,20 @@ def batch_programs(config: JobConfig, sampler: Sampler, options: Options) -> Cal
     return programs
 
 
-def call_rows(config: JobConfig, sampler: Sampler, lengths: list[int]) -> tuple[int, int, int]:
+def job_call_rows(config: JobConfig, sampler: Sampler, lengths: list[int]) -> tuple[int, int, int]:
     """A decoding or Best-of-N call's samples per prompt, most rows decoded together and its slabs'
-    fewest prompt slots, for prompts of these token `lengths` (as `decode_request` and
+    fewest prompt slots, for prompts of these token `lengths` (`call_rows`, as `decode_request` and
     `best_of_n.search` size them)."""
-    if config.method != "best_of_n":
-        rows = config.max_rows if config.max_rows is not None else default_rows(sampler)
-        return config.num_samples, rows, MIN_SLAB_LENGTH
     prompts = [[0] * length for length in lengths]
-    budget, n, new = config.memory_budget, config.n, config.max_new_tokens
-    return n, *budgeted_rows(sampler, budget, prompts, n, new, config.max_rows)
+    samples = config.n if config.method == "best_of_n" else config.num_samples
+    rows = call_rows(sampler, call_budget(config), prompts, samples, config.max_new_tokens, config.max_rows)
+    return samples, *rows
+
+
+def call_budget(config: JobConfig) -> int | str | None:
+    """The memory budget a decoding or Best-of-N call is sized by: Best-of-N's own; plain and pair
+    decoding take none (a GPU's or TPU's free memory; on CPU 64 rows a `data` shard)."""
+    return config.memory_budget if config.method == "best_of_n" else None
 
 
 def search_call(

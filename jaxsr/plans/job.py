@@ -1,7 +1,7 @@
 """A job's plan: the programs `jaxsr run CONFIG.yaml` would run, compiled for a target from the models'
 configs alone (`sources.hf_config_of`), at the batch jaxsr itself would pick there — the widest
-Best-of-N batch or Speculative Rejection first batch `memory_budget=None` derives from the chip's
-memory beside every model's parameters — with the reward model's scoring program beside them."""
+decoding or Best-of-N batch or Speculative Rejection first batch `memory_budget=None` derives from the
+chip's memory beside every model's parameters — with the reward model's scoring program beside them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxsr.checks import is_int
-from jaxsr.decoding.driver import Sampler, as_sampler, batches, default_rows
+from jaxsr.decoding.driver import Sampler, as_sampler, batches
+from jaxsr.decoding.memory import DEVICE_HEADROOM, budget_rows_in, parse_bytes, row_reserve
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.jobs.methods import DECODER_BUILDERS
 from jaxsr.ladder import bucket, fine_bucket
@@ -20,14 +21,7 @@ from jaxsr.plans.abstract import abstract_model, bytes_per_device
 from jaxsr.plans.compiled import Batch, Plan, Program, plan_batch, plan_scores
 from jaxsr.plans.sources import hf_config_of
 from jaxsr.plans.targets import GIB, Target, target_mesh
-from jaxsr.search.memory import (
-    DEVICE_HEADROOM,
-    MemoryPlan,
-    best_of_n_rows_in,
-    mesh_budget,
-    parse_bytes,
-    row_reserve,
-)
+from jaxsr.search.memory import MemoryPlan, mesh_budget
 from jaxsr.sharding import data_shards, padded_rows
 
 BUILT_IN_REWARDS = ("self_likelihood", "neg_perplexity", "self_certainty", "minilm")
@@ -250,16 +244,16 @@ def given_slots(memory_budget: int | str | None, slot_bytes: int) -> int | None:
 
 def job_batch(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: int) -> Batch:
     """The first batch the job decodes: Speculative Rejection's first rung of every prompt in flight,
-    Best-of-N's widest batch in `budget` slots (a derived budget: on each `data` shard, as
-    `best_of_n_rows`) up to `max_rows`, or a batch of `max_rows` (default: `default_rows`)."""
+    TreeBoN's n rows of every prompt in flight, or a decoding or Best-of-N call's widest batch in
+    `budget` slots (a derived budget: on each `data` shard, as `call_rows` sizes it) up to `max_rows`."""
     mesh, new = sampler.mesh, config.max_new_tokens
     if config.method == "speculative_rejection":
         return first_rung(config, sampler, budget, prompt_slots)
-    if config.method == "best_of_n":
-        rows = best_of_n_rows_in(sampler, budget, prompt_slots, config.n, new, config.memory_budget is None)
-        rows, samples = min(rows, config.max_rows or rows), config.n
-    else:
-        rows, samples = config.max_rows or default_rows(sampler), config.num_samples
+    if config.method == "tree_best_of_n":
+        return Batch(config.concurrent_prompts, padded_rows(config.n, mesh), prompt_slots, new)
+    samples = config.n if config.method == "best_of_n" else config.num_samples
+    rows = budget_rows_in(sampler, budget, prompt_slots, samples, new, config.memory_budget is None)
+    rows = min(rows, config.max_rows or rows)
     layout = next(batches([[0] * prompt_slots] * rows, samples, rows, mesh))[0]
     return Batch(layout.prompts, layout.rows, prompt_slots, new)
 

@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 
 from jaxsr.checks import check_callback, check_positive_int, check_responses_fit
-from jaxsr.decoding.continuous import MIN_SLAB_LENGTH, decode
-from jaxsr.decoding.driver import Sampler, as_sampler, default_rows, samples_of
+from jaxsr.decoding.continuous import decode
+from jaxsr.decoding.driver import Sampler, as_sampler, samples_of
 from jaxsr.decoding.inputs import Options, Request, prepare
+from jaxsr.decoding.memory import call_rows
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.state import DecodeState
 from jaxsr.models.model import Model
@@ -26,7 +27,6 @@ from jaxsr.search.candidates import (
     score_samples,
     token_scorer,
 )
-from jaxsr.search.memory import best_of_n_rows, derived
 from jaxsr.timing import Stopwatch
 
 
@@ -90,7 +90,7 @@ def search(
     check_reward(reward, sampler.target, request.prompts, request.encoded)
     lm, encoded, max_new_tokens = sampler.target, request.encoded, request.max_new_tokens
     check_responses_fit("n", len(encoded) * n, max_new_tokens)
-    max_rows, least = budgeted_rows(sampler, memory_budget, encoded, n, max_new_tokens, max_rows)
+    max_rows, least = call_rows(sampler, memory_budget, encoded, n, max_new_tokens, max_rows)
 
     def scored(finished: list[tuple[int, DecodeState, dict[str, Any]]]) -> None:
         watch, before = Stopwatch(), reward.token_forwards
@@ -108,36 +108,6 @@ def search(
             on_result(i, Result(prompt=request.prompts[i], samples=mine, best=best(mine), stats=st))
 
     decode(sampler, request, num_samples=n, max_rows=max_rows, on_done=scored, least_slots=least)
-
-
-def budgeted_rows(
-    sampler: Sampler,
-    memory_budget: int | str | None,
-    encoded: list[list[int]],
-    n: int,
-    max_new_tokens: int,
-    max_rows: int | None = None,
-) -> tuple[int, int]:
-    """Best-of-N's most rows decoded together and its slabs' fewest prompt slots: within a budget
-    (given, or an accelerator's free memory when none is), the rows it holds (`best_of_n_rows`) and no
-    prompt slot beyond a prompt's own bucket (the budget counts them); else (CPU, no budget)
-    `default_rows` and `MIN_SLAB_LENGTH`. `max_rows` caps the rows."""
-    if budgeted(sampler, memory_budget):
-        rows = best_of_n_rows(sampler, memory_budget, encoded, n, max_new_tokens)
-    else:
-        rows = default_rows(sampler)
-    return rows if max_rows is None else min(rows, max_rows), least_slots(sampler, memory_budget)
-
-
-def budgeted(sampler: Sampler, memory_budget: int | str | None) -> bool:
-    """Whether Best-of-N's rows come from a memory budget: one given, or the devices' free memory."""
-    return memory_budget is not None or derived(sampler, memory_budget)
-
-
-def least_slots(sampler: Sampler, memory_budget: int | str | None) -> int:
-    """Best-of-N's slabs' fewest prompt slots (`continuous.slab_length`): none beyond a prompt's own
-    bucket within a memory budget (the budget counts them), else `MIN_SLAB_LENGTH`."""
-    return 1 if budgeted(sampler, memory_budget) else MIN_SLAB_LENGTH
 
 
 def score_rows(lm: Model, reward: Any, items: list[tuple[Any, list[int], Any]], request: Request) -> list:

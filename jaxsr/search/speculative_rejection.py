@@ -49,13 +49,14 @@ import numpy as np
 from jaxsr.checks import check_callback, check_positive_int, is_int, is_real
 from jaxsr.decoding.driver import Sampler, as_sampler
 from jaxsr.decoding.inputs import Options, prepare
+from jaxsr.decoding.memory import derived, row_reserve
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Rejected, Result, Sample
 from jaxsr.rewards import as_reward
 from jaxsr.search.candidates import check_reward
-from jaxsr.search.memory import MemoryPlan, derived, prompt_budget, row_reserve
+from jaxsr.search.memory import MemoryPlan, prompt_budget
 from jaxsr.search.scheduler import Batch, Decision, PromptSearch, run_searches
 
 Rule = Literal["keep_fraction", "quantile"]
