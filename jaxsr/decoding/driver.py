@@ -34,7 +34,8 @@ from jaxsr.results import Sample
 from jaxsr.sharding import data_shards, mesh_of, on_mesh, padded_rows
 
 DEFAULT_MAX_ROWS = 64
-"""Rows a call decodes per `data` shard unless told (`default_rows`); `decode`'s default in all."""
+"""Rows a call decodes per `data` shard unless told or sized by memory (`default_rows`); `decode`'s
+default in all."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,9 +208,9 @@ def as_sampler(sampler: Any, sampling: SamplingConfig | None) -> Sampler:
 
 
 def default_rows(sampler: Sampler) -> int:
-    """Rows one call decodes when not told (`max_rows=None`): DEFAULT_MAX_ROWS a `data` shard, times
-    the shards, rounded down to a power of two — on CPU: a device that reports its free memory takes
-    what it holds instead (`decoding.memory.call_rows`)."""
+    """Rows one call decodes when neither told (`max_rows=None`) nor sized by memory (no budget, and a
+    device that reports no free memory: CPU; `decoding.memory.call_rows`): DEFAULT_MAX_ROWS a `data`
+    shard, times the shards, rounded down to a power of two."""
     return 1 << ((DEFAULT_MAX_ROWS * data_shards(sampler.mesh)).bit_length() - 1)
 
 
