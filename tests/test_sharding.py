@@ -299,6 +299,20 @@ def test_best_of_n_decodes_as_many_rows_as_the_data_shards_hold(lm):
     ]
 
 
+def test_max_rows_above_the_default_is_what_a_call_decodes(lm):
+    """On CPU without a budget, a `max_rows` above the default 64 is taken as given (it caps only a
+    budget's rows): Best-of-N and plain decoding decode 128 rows, with the same samples as at 64."""
+    prompts = [[1 + (i * 7 + j) % 50 for j in range(5)] for i in range(16)]
+    kwargs = dict(max_new_tokens=6, sampling=SAMPLING, seed=1)
+    wide = jaxsr.best_of_n(lm, SelfLikelihood(), prompts, n=8, max_rows=128, **kwargs)
+    narrow = jaxsr.best_of_n(lm, SelfLikelihood(), prompts, n=8, **kwargs)
+    assert {r.stats["batch_rows"] for r in wide} == {128} and {r.stats["batch_rows"] for r in narrow} == {64}
+    assert tokens_of(wide) == tokens_of(narrow)
+    assert [r.best.index for r in wide] == [r.best.index for r in narrow]
+    decoded = jaxsr.generate(lm, prompts, num_samples=8, max_rows=128, **kwargs)
+    assert {r.stats["batch_rows"] for r in decoded} == {128} and tokens_of(decoded) == tokens_of(narrow)
+
+
 # (data shards, prompt caches and rows one device holds, rows the plan compiles, rows a call decodes)
 HELD = [(1, (4, 32), 32, 32), (1, (64, 512), 512, 128), (8, (4, 4), 32, 32)]
 

@@ -115,13 +115,14 @@ def call_rows(
 ) -> tuple[int, int]:
     """A call's most rows decoded together and its slabs' fewest prompt slots, n samples a prompt:
     within a budget (given, or a GPU's or TPU's free memory when none is), the rows it holds
-    (`budget_rows`) and no prompt slot beyond a prompt's own bucket (the budget counts them); else
-    (CPU, no budget) `default_rows` and `MIN_SLAB_LENGTH`. `max_rows` caps the rows."""
-    if budgeted(sampler, memory_budget):
-        rows = budget_rows(sampler, memory_budget, encoded, n, max_new_tokens)
-    else:
-        rows = default_rows(sampler)
-    return rows if max_rows is None else min(rows, max_rows), least_slots(sampler, memory_budget)
+    (`budget_rows`) up to `max_rows`, and no prompt slot beyond a prompt's own bucket (the budget
+    counts them); else (CPU, no budget) `max_rows` as given (default: `default_rows`) and
+    `MIN_SLAB_LENGTH`."""
+    least = least_slots(sampler, memory_budget)
+    if not budgeted(sampler, memory_budget):
+        return default_rows(sampler) if max_rows is None else max_rows, least
+    rows = budget_rows(sampler, memory_budget, encoded, n, max_new_tokens)
+    return rows if max_rows is None else min(rows, max_rows), least
 
 
 def budgeted(sampler: Sampler, memory_budget: int | str | None) -> bool:
