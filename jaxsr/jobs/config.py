@@ -140,8 +140,8 @@ class JobConfig:
     """Strings that end a response where its text shows one (the stored text cut before it)."""
     num_samples: int = 1
     max_rows: int | None = None
-    """Most rows decoded together (generate, two-model methods, best_of_n; None: 64 a `data` shard,
-    or what best_of_n's memory budget holds)."""
+    """Most rows decoded together (generate, two-model methods, best_of_n; None: what a GPU's or TPU's
+    free memory holds, or best_of_n's memory budget; on CPU without a budget 64 a `data` shard)."""
     n: int | None = None
     draft: str | None = None
     """The second model of speculative_decode (draft) and (speculative_)contrastive_decode (amateur),
