@@ -234,6 +234,11 @@ def mesh_of(*models: Any) -> Mesh | None:
     return meshes.pop() if meshes else None
 
 
+def local_devices_of(mesh: Mesh | None) -> list:
+    """This host's devices a call on `mesh` uses (without a mesh: the first local device)."""
+    return jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
+
+
 def data_shards(mesh: Mesh | None) -> int:
     """How many ways a batch's rows are split (the mesh's `data` axis; 1 without a mesh)."""
     return 1 if mesh is None else mesh.shape.get("data", 1)

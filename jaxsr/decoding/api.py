@@ -12,8 +12,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-
 from jaxsr.checks import check_bool, check_positive_int, check_responses_fit, check_rows_fit
 from jaxsr.decoding import cost
 from jaxsr.decoding.continuous import decode
@@ -34,6 +32,7 @@ from jaxsr.decoding.steps import ContrastiveDecoding
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Result
+from jaxsr.sharding import local_devices_of
 
 Prompts = Sequence[str] | Sequence[Sequence[int]]
 
@@ -139,7 +138,7 @@ def decode_request(
     check_rows_fit(  # a lower bound on one batch's row caches (as `decode` sizes them; prompts aside)
         "max_rows",
         min(max_rows, rows) * (bucket(request.max_new_tokens) + sampler.headroom) * sampler.slot_bytes,
-        jax.local_devices()[:1] if mesh is None else list(mesh.local_devices),
+        local_devices_of(mesh),
         "give a smaller max_rows",
     )
     sampler = sampler.with_sampling(request.sampling)

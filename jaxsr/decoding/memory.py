@@ -7,14 +7,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import jax
 from jax.sharding import Mesh
 
 from jaxsr.checks import available_bytes, device_free_bytes, format_bytes, is_int
 from jaxsr.decoding.continuous import MIN_SLAB_LENGTH
 from jaxsr.decoding.driver import Sampler, default_rows
 from jaxsr.ladder import bucket
-from jaxsr.sharding import data_shards, padded_over
+from jaxsr.sharding import data_shards, local_devices_of, padded_over
 
 _UNITS = {
     "": 1,
@@ -57,7 +56,7 @@ def budget_slots(
     for a search). Where the device
     cannot tell (CPU), `fallback_slots` is used. A budget held `copies` times at once (prompts searched
     together) that the devices cannot hold is refused before anything is allocated."""
-    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
+    devices = local_devices_of(mesh)
     if memory_budget is None:
         free = device_free_bytes(devices)
         if free is not None:
@@ -100,9 +99,7 @@ def row_reserve(sampler: Sampler, from_device: bool) -> int:
 
 def derived(sampler: Sampler, memory_budget: Any) -> bool:
     """Whether a budget comes from the devices' free memory (None given, a device that tells)."""
-    mesh = sampler.mesh
-    devices = jax.local_devices()[:1] if mesh is None else list(mesh.local_devices)
-    return memory_budget is None and device_free_bytes(devices) is not None
+    return memory_budget is None and device_free_bytes(local_devices_of(sampler.mesh)) is not None
 
 
 def call_rows(
