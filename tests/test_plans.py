@@ -269,6 +269,52 @@ def test_gpu_work_and_traffic_are_counted_from_the_compiled_program():
     assert hlo.bytes_accessed(module, entry) == dot_bytes + slice_bytes + update_bytes + gemv_bytes
 
 
+SCATTERED = """\
+HloModule m
+
+%assign (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  ROOT %b = bf16[] parameter(1)
+}
+
+%write (c0: bf16[64,4,32,128], c1: s32[64,4,3], c2: bf16[64,4,128]) -> bf16[64,4,32,128] {
+  %c0 = bf16[64,4,32,128] parameter(0)
+  %c1 = s32[64,4,3] parameter(1)
+  %c2 = bf16[64,4,128] parameter(2)
+  ROOT %s = bf16[64,4,32,128] scatter(%c0, %c1, %c2), update_window_dims={2}, to_apply=%assign
+}
+
+%body (s: (bf16[64,4,32,128], s32[64,4,3], bf16[64,4,128])) -> (bf16[64,4,32,128], s32[64,4,3]) {
+  %s = (bf16[64,4,32,128], s32[64,4,3], bf16[64,4,128]) parameter(0)
+  %cache = bf16[64,4,32,128] get-tuple-element(%s), index=0
+  %at = s32[64,4,3] get-tuple-element(%s), index=1
+  %new = bf16[64,4,128] get-tuple-element(%s), index=2
+  %cache2 = bf16[64,4,32,128] fusion(%cache, %at, %new), kind=kInput, calls=%write
+  %cache3 = bf16[64,4,32,128] scatter(%cache2, %at, %new), update_window_dims={2}, to_apply=%assign
+  ROOT %t = (bf16[64,4,32,128], s32[64,4,3], bf16[64,4,128]) tuple(%cache3, %at, %new)
+}
+
+%cond (s: (bf16[64,4,32,128], s32[64,4,3], bf16[64,4,128])) -> pred[] {
+  %s = (bf16[64,4,32,128], s32[64,4,3], bf16[64,4,128]) parameter(0)
+  ROOT %go = pred[] constant(true)
+}
+
+ENTRY %main (s: (bf16[64,4,32,128], s32[64,4,3], bf16[64,4,128])) -> bf16[64,4,32,128] {
+  %s = (bf16[64,4,32,128], s32[64,4,3], bf16[64,4,128]) parameter(0)
+  ROOT %w = (bf16[64,4,32,128], s32[64,4,3], bf16[64,4,128]) while(%s), condition=%cond, body=%body
+}
+"""
+
+
+def test_a_scatter_into_a_cache_moves_its_update_not_the_cache():
+    """A decode step's write of each (row, head)'s new key into its cache slot, fused (as XLA:GPU emits
+    it) and not: the indices and the update are read and the update written, the cache updated in
+    place (it was counted read and written whole)."""
+    module, entry = hlo.computations(SCATTERED)
+    indices, update = 64 * 4 * 3 * 4, 64 * 4 * 128 * 2
+    assert hlo.bytes_accessed(module, entry) == 2 * (indices + 2 * update)
+
+
 @needs_libtpu
 def test_an_abstract_model_is_placed_by_the_rules_table_with_nothing_allocated():
     model = abstract_model(LLAMA_31_8B_2_LAYERS, target_mesh(V5E_8, data=1, model=8))

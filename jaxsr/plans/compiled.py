@@ -75,6 +75,8 @@ class Program:
     """Those in the condition and body of the program's loop (one decode step), or None without one."""
     gathered: tuple[str, ...]
     """Result shapes of the program's all-gathers."""
+    step_copied: tuple[str, ...]
+    """Result shapes of the copies (layout changes) one step of the program's loop runs."""
 
     @property
     def peak_bytes(self) -> int:
@@ -127,6 +129,7 @@ def measure(name: str, compiled: Any, seconds: float) -> Program:
         collectives=hlo.collectives(module, [entry]),
         step_collectives=hlo.collectives(module, step) if step else None,
         gathered=tuple(hlo.gathered_shapes(module, [entry])),
+        step_copied=tuple(hlo.copied_shapes(module, step)),
     )
 
 

@@ -68,6 +68,16 @@ def gathered_shapes(module: dict[str, list[str]], roots: Sequence[str]) -> list[
     return [shape for kind, shape in _collective_ops(module, roots) if kind == "all-gather"]
 
 
+_COPY = re.compile(r"= (\S.*?) copy\(")
+
+
+def copied_shapes(module: dict[str, list[str]], roots: Sequence[str]) -> list[str]:
+    """The result shape of every copy in `roots` and what they call: an array moved whole into another
+    layout (on a TPU, an array a step reads in one layout and writes in another is copied each step)."""
+    lines = (line for name in reachable(module, roots) for line in module[name])
+    return [_LAYOUT.sub("", m.group(1)) for line in lines if (m := _COPY.search(line))]
+
+
 def loop_step(module: dict[str, list[str]], entry: str) -> list[str]:
     """The condition and body of each while loop the entry computation runs: what one step of the
     token loop runs (the condition's test of the rows counts: it runs every step)."""
@@ -94,6 +104,10 @@ ARITHMETIC = frozenset({"add", "subtract", "multiply", "divide", "maximum", "min
 """Elementwise operations counted as one FLOP per output element (on floating-point numbers)."""
 SLICES = frozenset({"slice", "dynamic-slice", "gather"})
 """Instructions that read only as much of their first operand as they return."""
+IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
+"""Instructions that update their first operand in place: they read none of it and write only their
+update (a dynamic-update-slice's second operand, a scatter's last), as a decode step writes each row's
+new keys into its cache."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,9 +248,9 @@ def flops(module: dict[str, list[str]], entry: str) -> float:
 def bytes_accessed(module: dict[str, list[str]], entry: str) -> float:
     """HBM traffic of the entry computation's kernels, a while loop's condition and body counted once:
     each top-level instruction or fusion reads its operands and writes its result, except that a
-    slice or gather reads only what it returns and a dynamic-update-slice writes only its update in
-    place (inside a fusion too); tuples, bitcasts, parameters and constants move nothing. Caches
-    between kernels (L2) are not modelled: a lower bound's traffic, not a measurement."""
+    slice or gather reads only what it returns and a dynamic-update-slice or scatter writes only its
+    update in place (inside a fusion too); tuples, bitcasts, parameters and constants move nothing.
+    Caches between kernels (L2) are not modelled: a lower bound's traffic, not a measurement."""
     computations = parsed(module)
 
     @functools.cache
@@ -259,15 +273,15 @@ def operand_reads(ins: Instruction, position: int, operand_type: str) -> int:
     """Bytes `ins` reads of its operand at `position` (of type `operand_type`)."""
     if ins.opcode in SLICES and position == 0:
         return type_bytes(ins.type)
-    if ins.opcode == "dynamic-update-slice" and position == 0:
+    if ins.opcode in IN_PLACE and position == 0:
         return 0  # updated in place
     return type_bytes(operand_type)
 
 
 def writes(ins: Instruction, table: dict[str, Instruction]) -> int:
-    """Bytes `ins` writes: its result, or a dynamic-update-slice's update alone (a tuple: each part's)."""
-    if ins.opcode == "dynamic-update-slice":
-        return type_bytes(table[ins.operands[1]].type)
+    """Bytes `ins` writes: its result, or an in-place update's update alone (a tuple: each part's)."""
+    if ins.opcode in IN_PLACE:
+        return type_bytes(table[ins.operands[-1 if ins.opcode == "scatter" else 1]].type)
     if ins.opcode == "tuple":
         return sum(writes(table[o], table) for o in ins.operands)
     return type_bytes(ins.type)
@@ -289,7 +303,7 @@ def fusion_bytes(fusion: Instruction, table: dict[str, Instruction], fused: dict
         for user, position in uses:
             if user.opcode == "bitcast":
                 parts.append(reads(user.name, whole))
-            elif user.opcode in SLICES | {"dynamic-update-slice"} and position == 0:
+            elif user.opcode in SLICES | IN_PLACE and position == 0:
                 parts.append(operand_reads(user, position, ""))
             else:
                 return whole
