@@ -373,6 +373,21 @@ def test_rows_split_eight_ways_decode_without_communicating():
 
 
 @needs_libtpu
+@pytest.mark.slow
+def test_a_tpu_token_loop_writes_its_row_caches_in_place():
+    """On a TPU the keys are stored as the values are, [rows, kv_heads, slots, head_dim]
+    (`cache.key_slot_axis`), so a step writes each row's new key and value in place: its loop copies no
+    array as large as one layer's row keys. Stored transposed, XLA:TPU copied every layer's keys and
+    values into another layout and back each step (4 copies a layer)."""
+    model = abstract_model(LLAMA_31_8B_2_LAYERS, target_mesh(V5E_8, data=8, model=1))
+    plan = plan_batch(model, V5E_8, dataclasses.replace(BATCH, prompts=8, rows=64, max_new_tokens=256))
+    layer = plan.row_cache_bytes // (2 * LLAMA_31_8B_2_LAYERS["num_hidden_layers"])  # a device's keys
+    loop = plan.program("decode_loop")
+    assert layer > 2**20 and loop.step_copied is not None
+    assert all(hlo.type_bytes(shape) < layer for shape in loop.step_copied), (layer, loop.step_copied)
+
+
+@needs_libtpu
 def test_a_program_too_big_for_the_chip_is_refused_naming_the_target_and_its_memory():
     huge = {**LLAMA_31_8B_2_LAYERS, "vocab_size": 1_100_000, "num_hidden_layers": 1}  # 18 GB replicated
     model = abstract_model(huge, target_mesh(V5E_8, data=8, model=1))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxsr.models.cache import KV, cache_layout
+from jaxsr.models.cache import KV, cache_layout, key_slot_axis
 from jaxsr.models.layers import MASKED, soft_cap
 
 PREFILL_BLOCK = 512
@@ -34,8 +34,9 @@ query, so m loops of equal length do (m + 1) / 2m of the products of all keys (5
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """Keys [N, kv_heads, head_dim, S], values [N, kv_heads, S, head_dim], and which of them each query
-    may see; an int8 segment has float32 scales [N, kv_heads, S] (`jaxsr.models.cache`).
+    """Keys [N, kv_heads, head_dim, S] (a TPU's [N, kv_heads, S, head_dim]: `key_slot_axis`), values
+    [N, kv_heads, S, head_dim], and which of them each query may see; an int8 segment has float32
+    scales [N, kv_heads, S] (`jaxsr.models.cache`).
 
     `shared=True`: N is the number of prompts, row b belongs to prompt b // (B // N) (G = B // N rows per
     prompt), and `mask` is [N, S] (the same for every query of the prompt's rows) or, where queries see
@@ -81,7 +82,7 @@ def attend(q: jax.Array, segments: list[Segment], scale: float, softcap: float |
     out = jnp.zeros((B, K, M, D), jnp.float32)
     start = 0
     for seg in segments:
-        S = seg.k.shape[-1]
+        S = seg.v.shape[2]
         out = out + _weighted(probs[..., start : start + S], seg, q.dtype)
         start += S
     out = out.reshape(B, K, T, R, D).transpose(0, 2, 1, 3, 4)
@@ -139,7 +140,9 @@ def _loops(blocks: int) -> list[tuple[int, int]]:
 def _key_slots(kv: KV, keys: slice) -> KV:
     """Slots `keys` of a layer in cache layout."""
     scales = (None, None) if kv.k_scale is None else (kv.k_scale[..., keys], kv.v_scale[..., keys])
-    return KV(kv.k[..., keys], kv.v[:, :, keys], *scales)
+    return KV(
+        jax.lax.slice_in_dim(kv.k, keys.start, keys.stop, axis=key_slot_axis()), kv.v[:, :, keys], *scales
+    )
 
 
 def _segment_scores(rows: jax.Array, seg: Segment, T: int, scale: float, softcap: float | None) -> jax.Array:
@@ -148,12 +151,10 @@ def _segment_scores(rows: jax.Array, seg: Segment, T: int, scale: float, softcap
     A shared segment is computed per prompt group (one matmul against the prompt's keys)."""
     B = rows.shape[0]
     queries = _to_prompt_groups(rows, seg.k.shape[0]) if seg.shared else rows
-    if seg.k_scale is None:
-        s = jnp.einsum("nkmd,nkds->nkms", queries, seg.k, preferred_element_type=jnp.float32)
-    else:
-        s = jnp.einsum(
-            "nkmd,nkds->nkms", queries, seg.k.astype(rows.dtype), preferred_element_type=jnp.float32
-        )
+    keys = seg.k if seg.k_scale is None else seg.k.astype(rows.dtype)
+    spec = "nkmd,nkds->nkms" if key_slot_axis() == 3 else "nkmd,nksd->nkms"
+    s = jnp.einsum(spec, queries, keys, preferred_element_type=jnp.float32)
+    if seg.k_scale is not None:
         s = s * seg.k_scale[:, :, None, :]
     s = jnp.where(_mask(seg, B, T, rows.shape[2] // T), soft_cap(s * scale, softcap), MASKED)
     return _from_prompt_groups(s, B) if seg.shared else s
@@ -161,7 +162,7 @@ def _segment_scores(rows: jax.Array, seg: Segment, T: int, scale: float, softcap
 
 def _mask(seg: Segment, B: int, T: int, R: int) -> jax.Array:
     """Which keys each query sees, broadcastable to the (grouped) scores of `_segment_scores`."""
-    S = seg.k.shape[-1]
+    S = seg.v.shape[2]
     if seg.shared and seg.mask.ndim == 2:
         return seg.mask[:, None, None, :]
     if seg.shared:  # per query [P, G, T, S], laid out as the grouped queries (g, t, r)

@@ -4,9 +4,11 @@ A prompt is prefilled once and its keys/values are stored once in a `PromptCache
 it (N candidates per prompt) keep only their generated tokens in a `RowCache` and attend to both.
 
 Each layer has its own arrays (a tuple over layers), so a decode step reads and updates them in place.
-Keys are stored transposed, [rows, kv_heads, head_dim, slots], and values as [rows, kv_heads, slots,
-head_dim], so both attention products are plain batched matmuls over (row, head) with no transpose of the
-cache in the decode step.
+Values are stored as [rows, kv_heads, slots, head_dim]; keys as the devices decode fastest
+(`key_slot_axis`): transposed, [rows, kv_heads, head_dim, slots], on CPUs and GPUs, so that both
+attention products are plain batched matmuls over (row, head) with no transpose of the cache in the
+decode step; as the values on a TPU, whose layouts put head_dim minor and would copy transposed keys
+into another layout and back each step to write a row's new key.
 
 An int8 cache (`DecoderConfig.kv_dtype`) stores keys and values as int8 beside float32 scales
 [rows, kv_heads, slots] (`k_scale`, `v_scale`; empty tuples in a float cache): the key (value) of a token
@@ -31,8 +33,9 @@ INT8_MAX = 127
 
 
 class KV(NamedTuple):
-    """One layer's keys [N, kv_heads, head_dim, S] and values [N, kv_heads, S, head_dim], with their
-    scales [N, kv_heads, S] in an int8 cache (None in a float one)."""
+    """One layer's keys [N, kv_heads, head_dim, S] (a TPU's [N, kv_heads, S, head_dim]) and values
+    [N, kv_heads, S, head_dim], with their scales [N, kv_heads, S] in an int8 cache (None in a float
+    one)."""
 
     k: jax.Array
     v: jax.Array
@@ -49,15 +52,26 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
 
 
+def key_slot_axis() -> int:
+    """The slot axis of stored keys for the devices being traced for (the mesh `jax.set_mesh` gives,
+    else the default backend): 2 on a TPU, keys laid out as values, [N, kv_heads, S, head_dim], so that
+    a row's new key is one contiguous vector its cache takes in place (transposed keys made XLA:TPU copy
+    every row cache into another layout and back twice a step, 4 to 8 times the cache's bytes moved
+    each step); else 3, transposed, [N, kv_heads, head_dim, S], which XLA:CPU multiplies fastest
+    (keys as values took 1.2 times as long to decode on CPU)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+    return 2 if platform == "tpu" else 3
+
+
 def cache_layout(k: jax.Array, v: jax.Array, quantized: bool) -> KV:
-    """Fresh projections k, v [N, S, kv_heads, head_dim] as a layer is stored: transposed into the cache
-    layout, and int8 with their scales when `quantized`."""
+    """Fresh projections k, v [N, S, kv_heads, head_dim] as a layer is stored: heads before slots (keys
+    transposed where `key_slot_axis` says so), and int8 with their scales when `quantized`."""
+    keys = (lambda x: x.transpose(0, 2, 3, 1)) if key_slot_axis() == 3 else (lambda x: x.swapaxes(1, 2))
     if not quantized:
-        return KV(k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
+        return KV(keys(k), v.swapaxes(1, 2))
     (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
-    return KV(
-        k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), k_scale.swapaxes(1, 2), v_scale.swapaxes(1, 2)
-    )
+    return KV(keys(k), v.swapaxes(1, 2), k_scale.swapaxes(1, 2), v_scale.swapaxes(1, 2))
 
 
 def _layer(cache, layer: int) -> KV:
@@ -86,8 +100,8 @@ def _constrained(cache):
 
 @struct.dataclass
 class PromptCache:
-    """Per layer: keys [prompts, kv_heads, head_dim, S] and values [prompts, kv_heads, S, head_dim] of
-    left-padded prompts (and their scales [prompts, kv_heads, S] in an int8 cache)."""
+    """Per layer: keys [prompts, kv_heads, head_dim, S] (`key_slot_axis`) and values [prompts, kv_heads,
+    S, head_dim] of left-padded prompts (and their scales [prompts, kv_heads, S] in an int8 cache)."""
 
     k: Layers
     v: Layers
@@ -122,7 +136,7 @@ class PromptCache:
             return jnp.pad(x, [(extra, 0) if a == axis else (0, 0) for a in range(x.ndim)])
 
         return self.replace(
-            k=tuple(pad(k, 3) for k in self.k),
+            k=tuple(pad(k, key_slot_axis()) for k in self.k),
             v=tuple(pad(v, 2) for v in self.v),
             mask=pad(self.mask, 1),
             k_scale=tuple(pad(s, 2) for s in self.k_scale),
@@ -136,8 +150,9 @@ class PromptCache:
 
 @struct.dataclass
 class RowCache:
-    """Per layer: keys [rows, kv_heads, head_dim, capacity] and values [rows, kv_heads, capacity, head_dim]
-    of generated tokens (and their scales [rows, kv_heads, capacity] in an int8 cache).
+    """Per layer: keys [rows, kv_heads, head_dim, capacity] (`key_slot_axis`) and values [rows, kv_heads,
+    capacity, head_dim] of generated tokens (and their scales [rows, kv_heads, capacity] in an int8
+    cache).
 
     Row b's slots [0, length[b]) are valid; rolling back (rejected speculative tokens) or freezing a row
     is done by its `length` alone, never by clearing memory.
@@ -152,18 +167,23 @@ class RowCache:
     @classmethod
     def empty_like(cls, prompt: PromptCache, rows: int, capacity: int) -> RowCache:
         """An empty cache for `rows` rows decoding from `prompt` (same model, dtype and layout)."""
-        scales = lambda xs: tuple(jnp.zeros((rows, x.shape[1], capacity), x.dtype) for x in xs)
+
+        def empty(xs: Layers, axis: int) -> Layers:  # as the prompt's: `rows` rows of `capacity` slots
+            return tuple(
+                jnp.zeros((rows, *x.shape[1:axis], capacity, *x.shape[axis + 1 :]), x.dtype) for x in xs
+            )
+
         return cls(
-            k=tuple(jnp.zeros((rows, *k.shape[1:3], capacity), k.dtype) for k in prompt.k),
-            v=tuple(jnp.zeros((rows, v.shape[1], capacity, v.shape[3]), v.dtype) for v in prompt.v),
+            k=empty(prompt.k, key_slot_axis()),
+            v=empty(prompt.v, 2),
             length=jnp.zeros((rows,), jnp.int32),
-            k_scale=scales(prompt.k_scale),
-            v_scale=scales(prompt.v_scale),
+            k_scale=empty(prompt.k_scale, 2),
+            v_scale=empty(prompt.v_scale, 2),
         )
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[-1]
+        return self.v[0].shape[2]
 
     layer = _layer
     constrained = _constrained
@@ -172,21 +192,20 @@ class RowCache:
         """Layer `layer` with new keys/values [rows, T, kv_heads, head_dim] stored at slots
         length + [0, T) (quantized in an int8 cache); slots past the capacity are dropped. Inside a
         jitted loop whose state is donated this is an in-place scatter of only the new entries."""
-        B, T = k.shape[:2]
-        slots = self.length[:, None] + jnp.arange(T)[None, :]
-        rows = jnp.arange(B)[:, None]
+        B, T, K = k.shape[:3]
+        # each new head_dim vector (one a row, slot and head) written at its (row, head, slot)
+        slot = (self.length[:, None] + jnp.arange(T))[:, :, None]
+        at = (jnp.arange(B)[:, None, None], jnp.arange(K)[None, None, :], slot)
+        at_key = at if key_slot_axis() == 2 else (*at[:2], slice(None), slot)
         old = self.layer(layer)
-        # advanced indices (row, slot) come first in the indexed shape: [B, T, K, D] and [B, T, K]
         if old.k_scale is None:
-            return KV(
-                old.k.at[rows, :, :, slots].set(k, mode="drop"), old.v.at[rows, :, slots].set(v, mode="drop")
-            )
+            return KV(old.k.at[at_key].set(k, mode="drop"), old.v.at[at].set(v, mode="drop"))
         (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
         return KV(
-            old.k.at[rows, :, :, slots].set(k, mode="drop"),
-            old.v.at[rows, :, slots].set(v, mode="drop"),
-            old.k_scale.at[rows, :, slots].set(k_scale, mode="drop"),
-            old.v_scale.at[rows, :, slots].set(v_scale, mode="drop"),
+            old.k.at[at_key].set(k, mode="drop"),
+            old.v.at[at].set(v, mode="drop"),
+            old.k_scale.at[at].set(k_scale, mode="drop"),
+            old.v_scale.at[at].set(v_scale, mode="drop"),
         )
 
     def with_layers(self, layers: list[KV]) -> RowCache:
@@ -205,7 +224,7 @@ class RowCache:
             return jnp.pad(x, pad)
 
         return RowCache(
-            k=tuple(slots(k, 3) for k in self.k),
+            k=tuple(slots(k, key_slot_axis()) for k in self.k),
             v=tuple(slots(v, 2) for v in self.v),
             length=self.length[index],
             k_scale=tuple(slots(s, 2) for s in self.k_scale),
