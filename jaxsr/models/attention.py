@@ -34,7 +34,7 @@ query, so m loops of equal length do (m + 1) / 2m of the products of all keys (5
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """Keys [N, kv_heads, head_dim, S] (a TPU's [N, kv_heads, S, head_dim]: `key_slot_axis`), values
+    """Keys [N, kv_heads, head_dim, S] (or [N, kv_heads, S, head_dim]: `key_slot_axis`), values
     [N, kv_heads, S, head_dim], and which of them each query may see; an int8 segment has float32
     scales [N, kv_heads, S] (`jaxsr.models.cache`).
 
@@ -141,7 +141,9 @@ def _key_slots(kv: KV, keys: slice) -> KV:
     """Slots `keys` of a layer in cache layout."""
     scales = (None, None) if kv.k_scale is None else (kv.k_scale[..., keys], kv.v_scale[..., keys])
     return KV(
-        jax.lax.slice_in_dim(kv.k, keys.start, keys.stop, axis=key_slot_axis()), kv.v[:, :, keys], *scales
+        jax.lax.slice_in_dim(kv.k, keys.start, keys.stop, axis=key_slot_axis(kv.v.shape[3])),
+        kv.v[:, :, keys],
+        *scales,
     )
 
 
@@ -152,7 +154,7 @@ def _segment_scores(rows: jax.Array, seg: Segment, T: int, scale: float, softcap
     B = rows.shape[0]
     queries = _to_prompt_groups(rows, seg.k.shape[0]) if seg.shared else rows
     keys = seg.k if seg.k_scale is None else seg.k.astype(rows.dtype)
-    spec = "nkmd,nkds->nkms" if key_slot_axis() == 3 else "nkmd,nksd->nkms"
+    spec = "nkmd,nkds->nkms" if key_slot_axis(seg.v.shape[3]) == 3 else "nkmd,nksd->nkms"
     s = jnp.einsum(spec, queries, keys, preferred_element_type=jnp.float32)
     if seg.k_scale is not None:
         s = s * seg.k_scale[:, :, None, :]

@@ -7,8 +7,8 @@ Each layer has its own arrays (a tuple over layers), so a decode step reads and 
 Values are stored as [rows, kv_heads, slots, head_dim]; keys as the devices decode fastest
 (`key_slot_axis`): transposed, [rows, kv_heads, head_dim, slots], on CPUs and GPUs, so that both
 attention products are plain batched matmuls over (row, head) with no transpose of the cache in the
-decode step; as the values on a TPU, whose layouts put head_dim minor and would copy transposed keys
-into another layout and back each step to write a row's new key.
+decode step; as the values on a TPU for heads of 128 or more, whose layouts put head_dim minor and
+would copy transposed keys into another layout and back each step to write a row's new key.
 
 An int8 cache (`DecoderConfig.kv_dtype`) stores keys and values as int8 beside float32 scales
 [rows, kv_heads, slots] (`k_scale`, `v_scale`; empty tuples in a float cache): the key (value) of a token
@@ -33,7 +33,7 @@ INT8_MAX = 127
 
 
 class KV(NamedTuple):
-    """One layer's keys [N, kv_heads, head_dim, S] (a TPU's [N, kv_heads, S, head_dim]) and values
+    """One layer's keys [N, kv_heads, head_dim, S] (or [N, kv_heads, S, head_dim]: `key_slot_axis`) and values
     [N, kv_heads, S, head_dim], with their scales [N, kv_heads, S] in an int8 cache (None in a float
     one)."""
 
@@ -52,22 +52,28 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
 
 
-def key_slot_axis() -> int:
-    """The slot axis of stored keys for the devices being traced for (the mesh `jax.set_mesh` gives,
-    else the default backend): 2 on a TPU, keys laid out as values, [N, kv_heads, S, head_dim], so that
-    a row's new key is one contiguous vector its cache takes in place (transposed keys made XLA:TPU copy
-    every row cache into another layout and back twice a step, 4 to 8 times the cache's bytes moved
-    each step); else 3, transposed, [N, kv_heads, head_dim, S], which XLA:CPU multiplies fastest
-    (keys as values took 1.2 times as long to decode on CPU)."""
+def key_slot_axis(head_dim: int) -> int:
+    """The slot axis of stored keys of `head_dim` for the devices being traced for (the mesh
+    `jax.set_mesh` gives, else the default backend): 2 on a TPU with heads of 128 or more (a lane
+    row), keys laid out as values, [N, kv_heads, S, head_dim], so that a row's new key is one
+    contiguous vector its cache takes in place (transposed, XLA:TPU copied every row cache into another
+    layout and back each step: a Qwen3-8B SR plan cut to 2 layers moved 25.4/40.7/36.7 GiB a step over
+    its rungs, 19.2/13.8/9.8 as values); else 3, transposed, [N, kv_heads, head_dim, S], which XLA:CPU
+    multiplies fastest (keys as values decoded 1.2 times slower on CPU) and a TPU lays out better for
+    narrower heads (SmolLM2's 64: 45 GiB a step at 512 rows a v5e chip, 73 as values)."""
     mesh = jax.sharding.get_abstract_mesh()
     platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
-    return 2 if platform == "tpu" else 3
+    return 2 if platform == "tpu" and head_dim >= 128 else 3
 
 
 def cache_layout(k: jax.Array, v: jax.Array, quantized: bool) -> KV:
     """Fresh projections k, v [N, S, kv_heads, head_dim] as a layer is stored: heads before slots (keys
     transposed where `key_slot_axis` says so), and int8 with their scales when `quantized`."""
-    keys = (lambda x: x.transpose(0, 2, 3, 1)) if key_slot_axis() == 3 else (lambda x: x.swapaxes(1, 2))
+    keys = (
+        (lambda x: x.transpose(0, 2, 3, 1))
+        if key_slot_axis(k.shape[3]) == 3
+        else (lambda x: x.swapaxes(1, 2))
+    )
     if not quantized:
         return KV(keys(k), v.swapaxes(1, 2))
     (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
@@ -136,7 +142,7 @@ class PromptCache:
             return jnp.pad(x, [(extra, 0) if a == axis else (0, 0) for a in range(x.ndim)])
 
         return self.replace(
-            k=tuple(pad(k, key_slot_axis()) for k in self.k),
+            k=tuple(pad(k, key_slot_axis(self.v[0].shape[3])) for k in self.k),
             v=tuple(pad(v, 2) for v in self.v),
             mask=pad(self.mask, 1),
             k_scale=tuple(pad(s, 2) for s in self.k_scale),
@@ -174,7 +180,7 @@ class RowCache:
             )
 
         return cls(
-            k=empty(prompt.k, key_slot_axis()),
+            k=empty(prompt.k, key_slot_axis(prompt.v[0].shape[3])),
             v=empty(prompt.v, 2),
             length=jnp.zeros((rows,), jnp.int32),
             k_scale=empty(prompt.k_scale, 2),
@@ -193,10 +199,12 @@ class RowCache:
         length + [0, T) (quantized in an int8 cache); slots past the capacity are dropped. Inside a
         jitted loop whose state is donated this is an in-place scatter of only the new entries."""
         B, T, K = k.shape[:3]
-        # each new head_dim vector (one a row, slot and head) written at its (row, head, slot)
-        slot = (self.length[:, None] + jnp.arange(T))[:, :, None]
-        at = (jnp.arange(B)[:, None, None], jnp.arange(K)[None, None, :], slot)
-        at_key = at if key_slot_axis() == 2 else (*at[:2], slice(None), slot)
+        slots = self.length[:, None] + jnp.arange(T)[None, :]
+        rows = jnp.arange(B)[:, None]
+        if key_slot_axis(k.shape[3]) == 2:  # keys as values: each (row, head, slot)'s vector
+            at = at_key = (rows[:, :, None], jnp.arange(K)[None, None, :], slots[:, :, None])
+        else:  # advanced indices (row, slot) come first in the indexed shape: [B, T, K, D] and [B, T, K]
+            at, at_key = (rows, slice(None), slots), (rows, slice(None), slice(None), slots)
         old = self.layer(layer)
         if old.k_scale is None:
             return KV(old.k.at[at_key].set(k, mode="drop"), old.v.at[at].set(v, mode="drop"))
@@ -224,7 +232,7 @@ class RowCache:
             return jnp.pad(x, pad)
 
         return RowCache(
-            k=tuple(slots(k, key_slot_axis()) for k in self.k),
+            k=tuple(slots(k, key_slot_axis(self.v[0].shape[3])) for k in self.k),
             v=tuple(slots(v, 2) for v in self.v),
             length=self.length[index],
             k_scale=tuple(slots(s, 2) for s in self.k_scale),
