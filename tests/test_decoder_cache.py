@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import jaxsr
-from jaxsr.models.cache import PromptCache, RowCache
+from jaxsr.models.cache import PromptCache, RowCache, key_slot_axis
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 
@@ -112,8 +112,9 @@ def _garbage_rows(cfg: DecoderConfig, rows: int, capacity: int, seed: int = 7) -
     rng = np.random.default_rng(seed)
     noise = lambda *shape: jnp.asarray(10.0 * rng.standard_normal(shape), jnp.float32)
     K, D, layers = cfg.num_kv_heads, cfg.head_dim, range(cfg.num_layers)
+    keys = (rows, K, D, capacity) if key_slot_axis(D) == 3 else (rows, K, capacity, D)
     return RowCache(
-        k=tuple(noise(rows, K, D, capacity) for _ in layers),
+        k=tuple(noise(*keys) for _ in layers),
         v=tuple(noise(rows, K, capacity, D) for _ in layers),
         length=jnp.zeros((rows,), jnp.int32),
     )
@@ -301,8 +302,9 @@ def _garbage_int8_rows(cfg: DecoderConfig, rows: int, capacity: int, seed: int =
     ints = lambda *shape: jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
     scales = lambda: jnp.asarray(rng.uniform(0.5, 2.0, (rows, cfg.num_kv_heads, capacity)), jnp.float32)
     K, D, layers = cfg.num_kv_heads, cfg.head_dim, range(cfg.num_layers)
+    keys = (rows, K, D, capacity) if key_slot_axis(D) == 3 else (rows, K, capacity, D)
     return RowCache(
-        k=tuple(ints(rows, K, D, capacity) for _ in layers),
+        k=tuple(ints(*keys) for _ in layers),
         v=tuple(ints(rows, K, capacity, D) for _ in layers),
         length=jnp.zeros((rows,), jnp.int32),
         k_scale=tuple(scales() for _ in layers),
@@ -378,3 +380,32 @@ def test_int8_rollback_ignores_stale_slots(kind):
     full_stale, _ = _prefill(graph, params, *_full_batch(prompt_tokens, prompt_mask, stale, 2))
     rolled_back = kept < 3
     assert np.abs(np.asarray(got)[rolled_back] - np.asarray(full_stale)[rolled_back, -3:]).max() > 0.1
+
+
+@pytest.mark.parametrize("kind", ["float", "int8"])
+def test_keys_stored_as_values_decode_as_transposed_keys(monkeypatch, kind):
+    """A TPU's cache layout for heads of 128 or more (`key_slot_axis` 2: keys stored as values are),
+    forced on CPU: its full forward gives the transposed layout's logits, and cached decoding of 1 and 3
+    tokens a call into row caches whose free slots hold garbage gives the full forward's."""
+    cfg = dataclasses.replace(CONFIGS["rope"], head_dim=128)
+    cfg = cfg if kind == "float" else _int8(cfg)
+    graph, params = _random_module(cfg)
+    tokens, mask = _prompts(2)
+    transposed = np.asarray(_prefill(graph, params, tokens, mask)[0])
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    jax.clear_caches()  # traced anew, for a TPU's layout
+    try:
+        assert key_slot_axis(cfg.head_dim) == 2 and key_slot_axis(64) == 3
+        _, prompt = _prefill(graph, params, tokens, mask)
+        assert prompt.k[0].shape == prompt.v[0].shape
+        np.testing.assert_allclose(_prefill(graph, params, tokens, mask)[0], transposed, atol=TOL, rtol=0)
+        if kind == "float":
+            for step in (1, 3):
+                _check_against_full(graph, params, cfg, num_prompts=2, group=2, step=step)
+        else:  # 2 prompts × 2 rows, 3 tokens a call, against the int8 model's full forward
+            generated = np.random.default_rng(100).integers(1, cfg.vocab_size, (4, 6))
+            _, cached = _cached_logits(graph, params, cfg, tokens, mask, generated, 2, 3)
+            full_tokens, full_mask = _full_batch(tokens, mask, list(generated), 2)
+            _assert_int8_close(cached, np.asarray(_prefill(graph, params, full_tokens, full_mask)[0])[:, -6:])
+    finally:
+        jax.clear_caches()
