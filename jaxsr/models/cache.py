@@ -33,9 +33,9 @@ INT8_MAX = 127
 
 
 class KV(NamedTuple):
-    """One layer's keys [N, kv_heads, head_dim, S] (or [N, kv_heads, S, head_dim]: `key_slot_axis`) and values
-    [N, kv_heads, S, head_dim], with their scales [N, kv_heads, S] in an int8 cache (None in a float
-    one)."""
+    """One layer's keys [N, kv_heads, head_dim, S] (or [N, kv_heads, S, head_dim]: `key_slot_axis`) and
+    values [N, kv_heads, S, head_dim], with their scales [N, kv_heads, S] in an int8 cache (None in a
+    float one)."""
 
     k: jax.Array
     v: jax.Array
