@@ -69,15 +69,11 @@ def key_slot_axis(head_dim: int) -> int:
 def cache_layout(k: jax.Array, v: jax.Array, quantized: bool) -> KV:
     """Fresh projections k, v [N, S, kv_heads, head_dim] as a layer is stored: heads before slots (keys
     transposed where `key_slot_axis` says so), and int8 with their scales when `quantized`."""
-    keys = (
-        (lambda x: x.transpose(0, 2, 3, 1))
-        if key_slot_axis(k.shape[3]) == 3
-        else (lambda x: x.swapaxes(1, 2))
-    )
+    keys = (0, 2, 3, 1) if key_slot_axis(k.shape[3]) == 3 else (0, 2, 1, 3)
     if not quantized:
-        return KV(keys(k), v.swapaxes(1, 2))
+        return KV(k.transpose(keys), v.swapaxes(1, 2))
     (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
-    return KV(keys(k), v.swapaxes(1, 2), k_scale.swapaxes(1, 2), v_scale.swapaxes(1, 2))
+    return KV(k.transpose(keys), v.swapaxes(1, 2), k_scale.swapaxes(1, 2), v_scale.swapaxes(1, 2))
 
 
 def _layer(cache, layer: int) -> KV:
@@ -85,6 +81,11 @@ def _layer(cache, layer: int) -> KV:
     if not cache.k_scale:
         return KV(cache.k[layer], cache.v[layer])
     return KV(cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer])
+
+
+def _key_axis(cache) -> int:
+    """The slot axis of a prompt or row cache's keys (`key_slot_axis` of its heads' width)."""
+    return key_slot_axis(cache.v[0].shape[3])
 
 
 def _layers(layers: list[KV]) -> dict[str, Layers]:
@@ -142,7 +143,7 @@ class PromptCache:
             return jnp.pad(x, [(extra, 0) if a == axis else (0, 0) for a in range(x.ndim)])
 
         return self.replace(
-            k=tuple(pad(k, key_slot_axis(self.v[0].shape[3])) for k in self.k),
+            k=tuple(pad(k, _key_axis(self)) for k in self.k),
             v=tuple(pad(v, 2) for v in self.v),
             mask=pad(self.mask, 1),
             k_scale=tuple(pad(s, 2) for s in self.k_scale),
@@ -180,7 +181,7 @@ class RowCache:
             )
 
         return cls(
-            k=empty(prompt.k, key_slot_axis(prompt.v[0].shape[3])),
+            k=empty(prompt.k, _key_axis(prompt)),
             v=empty(prompt.v, 2),
             length=jnp.zeros((rows,), jnp.int32),
             k_scale=empty(prompt.k_scale, 2),
@@ -232,7 +233,7 @@ class RowCache:
             return jnp.pad(x, pad)
 
         return RowCache(
-            k=tuple(slots(k, key_slot_axis(self.v[0].shape[3])) for k in self.k),
+            k=tuple(slots(k, _key_axis(self)) for k in self.k),
             v=tuple(slots(v, 2) for v in self.v),
             length=self.length[index],
             k_scale=tuple(slots(s, 2) for s in self.k_scale),
