@@ -106,121 +106,8 @@ def quiet_libtpu(target_name: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="jaxsr", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    run_parser = commands.add_parser("run", help="run a job from a YAML config")
-    run_parser.add_argument("config")
-    run_parser.add_argument("overrides", nargs="*", metavar="key=value")
-    run_parser.add_argument("--no-progress", action="store_true")
-    hosts = run_parser.add_argument_group(
-        "several hosts", "each process decodes a block of the prompts; process 0 merges the outputs"
-    )
-    hosts.add_argument("--distributed", action="store_true", help="join with jax.distributed.initialize()")
-    hosts.add_argument("--coordinator", help="host:port of process 0 (these three imply --distributed)")
-    hosts.add_argument("--num-processes", type=int)
-    hosts.add_argument("--process-id", type=int)
-    report_parser = commands.add_parser(
-        "report",
-        help="a job output's summary table, plots and one self-contained HTML page",
-        description="Prints the summary and the page's path; the plots and report.html go to --dir.",
-    )
-    report_parser.add_argument("output", help="a job's output JSONL")
-    report_parser.add_argument(
-        "--dir", metavar="DIR", help="where to write (default: OUTPUT's stem + .report/)"
-    )
-    export_parser = commands.add_parser(
-        "export",
-        help="SFT and preference sets (TRL's conversational layouts) from a job's output",
-        description="Prints what each set got. A set with no row is refused and nothing is written.",
-    )
-    export_parser.add_argument("output", help="a job's output JSONL")
-    export_parser.add_argument(
-        "--sft", metavar="PATH", help="write each prompt's conversation and best response (`messages`)"
-    )
-    export_parser.add_argument(
-        "--preference", metavar="PATH", help="write `prompt` / `chosen` / `rejected` pairs, with their scores"
-    )
-    export_parser.add_argument(
-        "--pairs",
-        choices=PAIRS,
-        default=PAIRS[0],
-        help="the best against the worst (default) or another at random",
-    )
-    export_parser.add_argument(
-        "--min-margin",
-        type=float,
-        default=0.0,
-        help="keep pairs whose score margin is at least this (and > 0)",
-    )
-    export_parser.add_argument(
-        "--finished-only",
-        action="store_true",
-        help="only responses that ended on their own (not at the limit)",
-    )
-    export_parser.add_argument("--seed", type=int, default=0, help="best_vs_random's draws (default 0)")
-    demo_parser = commands.add_parser(
-        "demo",
-        help="Best-of-N vs Speculative Rejection and SCD vs CD on a few prompts with the embedded models",
-        description="Measured in the run: a table, a JSONL of the records and a plot under --output-dir.",
-    )
-    demo_parser.add_argument(
-        "--prompts", type=int, default=3, metavar="K", help="AlpacaFarm prompts (default 3)"
-    )
-    demo_parser.add_argument(
-        "--max-new-tokens", type=int, default=64, metavar="T", help="new tokens per answer (default 64)"
-    )
-    demo_parser.add_argument(
-        "--n", type=int, nargs="+", default=[2, 8, 16], help="Best-of-N sizes (default 2 8 16)"
-    )
-    demo_parser.add_argument(
-        "--rejection-rate", type=float, default=0.5, metavar="α", help="SR's α (default 0.5)"
-    )
-    demo_parser.add_argument(
-        "--gamma", type=int, default=1, metavar="γ", help="SCD's draft length γ (default 1)"
-    )
-    demo_parser.add_argument("--seed", type=int, default=0)
-    demo_parser.add_argument("--output-dir", default="out/demo", metavar="DIR", help="default out/demo")
-    demo_parser.add_argument("--no-progress", action="store_true")
-    train_parser = commands.add_parser(
-        "train", help="fine-tune a model on a job's results, or distil a draft"
-    )
-    stages = train_parser.add_subparsers(dest="stage", required=True)
-    for stage, (_, _, what, config_class, prints) in TRAINERS.items():
-        stage_parser = stages.add_parser(
-            stage,
-            help=what,
-            description=f"Keys: the fields of jaxsr.training.{config_class}. Prints {prints}.",
-        )
-        stage_parser.add_argument("config")
-        stage_parser.add_argument("overrides", nargs="*", metavar="key=value")
-        stage_parser.add_argument("--no-progress", action="store_true")
-    plan_parser = commands.add_parser(
-        "plan",
-        help="will a job fit a TPU slice or a GPU host? its programs compiled for it on this CPU machine",
-        description="Compiles the job's programs for the target from its models' configs alone (no "
-        "weights, no accelerator) at the batch jaxsr would pick there, and prints per device: "
-        "parameters, KV per row, each program's peak against the chip's memory, the collectives of a "
-        "decode step, and a roofline step time (a lower bound).",
-    )
-    plan_parser.add_argument("config")
-    plan_parser.add_argument("overrides", nargs="*", metavar="key=value")
-    plan_parser.add_argument(
-        "--target",
-        required=True,
-        help="a Cloud TPU slice (v5e-8, v6e-16, v5p-8, v4-8, ...; several hosts: one host's job process "
-        "is planned) or NVIDIA GPUs: h100x8, h200x8, a100-80x8 (x1, x2, x4 too; x16: two hosts of 8)",
-    )
-    plan_parser.add_argument(
-        "--prompt-tokens", type=int, default=128, metavar="T", help="prompt length planned for (default 128)"
-    )
-    plan_parser.add_argument(
-        "--layers", type=int, metavar="L", help="cut every model to L layers (a quick look)"
-    )
-    plan_parser.add_argument(
-        "--all-rungs",
-        action="store_true",
-        help="compile every Speculative Rejection rung's decode loop (by default a rung whose rows and "
-        "cache slots a mix of two compiled rungs' covers is left out: it needs no more memory)",
-    )
-    plan_parser.add_argument("--json", metavar="PATH", help="write the plan as JSON too")
+    for add in (_add_run, _add_report, _add_export, _add_demo, _add_train, _add_plan):
+        add(commands)
     args, extra = parser.parse_known_args(argv)
     with_overrides = ("run", "train", "plan")
     unknown = [i for i in extra if args.command not in with_overrides or "=" not in i or i.startswith("-")]
@@ -230,35 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra  # key=value items given after an option
     use_compilation_cache()
     try:
-        if args.command == "run":
-            joined = (args.coordinator, args.num_processes, args.process_id)
-            if args.distributed or any(x is not None for x in joined):
-                join_processes(args.coordinator, args.num_processes, args.process_id)
-            print(run(args.config, args.overrides, progress=not args.no_progress))
-        elif args.command == "export":
-            for written in export(
-                args.output, sft=args.sft, preference=args.preference, pairs=args.pairs,
-                min_margin=args.min_margin, finished_only=args.finished_only, seed=args.seed,
-            ):  # fmt: skip
-                print(written.summary())
-        elif args.command == "report":
-            print(report(args.output, args.dir))
-        elif args.command == "plan":
-            planning = {
-                "prompt_tokens": args.prompt_tokens,
-                "layers": args.layers,
-                "all_rungs": args.all_rungs,
-            }
-            print(plan(args.config, args.overrides, args.target, args.json, **planning))
-        elif args.command == "train":
-            load, train = TRAINERS[args.stage][:2]
-            print(train(load(args.config, args.overrides), progress=not args.no_progress))
-        else:
-            run_demo(
-                args.output_dir, prompts=args.prompts, max_new_tokens=args.max_new_tokens, ns=args.n,
-                rejection_rate=args.rejection_rate, gamma=args.gamma, seed=args.seed,
-                progress=not args.no_progress,
-            )  # fmt: skip
+        args.handle(args)
     # OSError: a file or hub download that fails; ImportError: an optional package it needs (a plan's)
     except (ValueError, TypeError, OSError, ImportError) as e:
         print(f"jaxsr: error: {e}", file=sys.stderr)
@@ -267,6 +126,166 @@ def main(argv: list[str] | None = None) -> int:
         print("jaxsr: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _add_run(commands: Any) -> None:
+    parser = commands.add_parser("run", help="run a job from a YAML config")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--no-progress", action="store_true")
+    hosts = parser.add_argument_group(
+        "several hosts", "each process decodes a block of the prompts; process 0 merges the outputs"
+    )
+    hosts.add_argument("--distributed", action="store_true", help="join with jax.distributed.initialize()")
+    hosts.add_argument("--coordinator", help="host:port of process 0 (these three imply --distributed)")
+    hosts.add_argument("--num-processes", type=int)
+    hosts.add_argument("--process-id", type=int)
+    parser.set_defaults(handle=_run_command)
+
+
+def _run_command(args: argparse.Namespace) -> None:
+    joined = (args.coordinator, args.num_processes, args.process_id)
+    if args.distributed or any(x is not None for x in joined):
+        join_processes(*joined)
+    print(run(args.config, args.overrides, progress=not args.no_progress))
+
+
+def _add_report(commands: Any) -> None:
+    parser = commands.add_parser(
+        "report",
+        help="a job output's summary table, plots and one self-contained HTML page",
+        description="Prints the summary and the page's path; the plots and report.html go to --dir.",
+    )
+    parser.add_argument("output", help="a job's output JSONL")
+    parser.add_argument("--dir", metavar="DIR", help="where to write (default: OUTPUT's stem + .report/)")
+    parser.set_defaults(handle=lambda args: print(report(args.output, args.dir)))
+
+
+def _add_export(commands: Any) -> None:
+    parser = commands.add_parser(
+        "export",
+        help="SFT and preference sets (TRL's conversational layouts) from a job's output",
+        description="Prints what each set got. A set with no row is refused and nothing is written.",
+    )
+    parser.add_argument("output", help="a job's output JSONL")
+    parser.add_argument(
+        "--sft", metavar="PATH", help="write each prompt's conversation and best response (`messages`)"
+    )
+    parser.add_argument(
+        "--preference", metavar="PATH", help="write `prompt` / `chosen` / `rejected` pairs, with their scores"
+    )
+    parser.add_argument(
+        "--pairs",
+        choices=PAIRS,
+        default=PAIRS[0],
+        help="the best against the worst (default) or another at random",
+    )
+    parser.add_argument(
+        "--min-margin",
+        type=float,
+        default=0.0,
+        help="keep pairs whose score margin is at least this (and > 0)",
+    )
+    parser.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="only responses that ended on their own (not at the limit)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="best_vs_random's draws (default 0)")
+    parser.set_defaults(handle=_export_command)
+
+
+def _export_command(args: argparse.Namespace) -> None:
+    for written in export(
+        args.output, sft=args.sft, preference=args.preference, pairs=args.pairs,
+        min_margin=args.min_margin, finished_only=args.finished_only, seed=args.seed,
+    ):  # fmt: skip
+        print(written.summary())
+
+
+def _add_demo(commands: Any) -> None:
+    parser = commands.add_parser(
+        "demo",
+        help="Best-of-N vs Speculative Rejection and SCD vs CD on a few prompts with the embedded models",
+        description="Measured in the run: a table, a JSONL of the records and a plot under --output-dir.",
+    )
+    parser.add_argument("--prompts", type=int, default=3, metavar="K", help="AlpacaFarm prompts (default 3)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="T", help="new tokens per answer (default 64)"
+    )
+    parser.add_argument(
+        "--n", type=int, nargs="+", default=[2, 8, 16], help="Best-of-N sizes (default 2 8 16)"
+    )
+    parser.add_argument("--rejection-rate", type=float, default=0.5, metavar="α", help="SR's α (default 0.5)")
+    parser.add_argument("--gamma", type=int, default=1, metavar="γ", help="SCD's draft length γ (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default="out/demo", metavar="DIR", help="default out/demo")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(handle=_demo_command)
+
+
+def _demo_command(args: argparse.Namespace) -> None:
+    run_demo(
+        args.output_dir, prompts=args.prompts, max_new_tokens=args.max_new_tokens, ns=args.n,
+        rejection_rate=args.rejection_rate, gamma=args.gamma, seed=args.seed,
+        progress=not args.no_progress,
+    )  # fmt: skip
+
+
+def _add_train(commands: Any) -> None:
+    parser = commands.add_parser("train", help="fine-tune a model on a job's results, or distil a draft")
+    stages = parser.add_subparsers(dest="stage", required=True)
+    for stage, (_, _, what, config_class, prints) in TRAINERS.items():
+        stage_parser = stages.add_parser(
+            stage,
+            help=what,
+            description=f"Keys: the fields of jaxsr.training.{config_class}. Prints {prints}.",
+        )
+        stage_parser.add_argument("config")
+        stage_parser.add_argument("overrides", nargs="*", metavar="key=value")
+        stage_parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(handle=_train_command)
+
+
+def _train_command(args: argparse.Namespace) -> None:
+    load, train = TRAINERS[args.stage][:2]
+    print(train(load(args.config, args.overrides), progress=not args.no_progress))
+
+
+def _add_plan(commands: Any) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="will a job fit a TPU slice or a GPU host? its programs compiled for it on this CPU machine",
+        description="Compiles the job's programs for the target from its models' configs alone (no "
+        "weights, no accelerator) at the batch jaxsr would pick there, and prints per device: "
+        "parameters, KV per row, each program's peak against the chip's memory, the collectives of a "
+        "decode step, and a roofline step time (a lower bound).",
+    )
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument(
+        "--target",
+        required=True,
+        help="a Cloud TPU slice (v5e-8, v6e-16, v5p-8, v4-8, ...; several hosts: one host's job process "
+        "is planned) or NVIDIA GPUs: h100x8, h200x8, a100-80x8 (x1, x2, x4 too; x16: two hosts of 8)",
+    )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=128, metavar="T", help="prompt length planned for (default 128)"
+    )
+    parser.add_argument("--layers", type=int, metavar="L", help="cut every model to L layers (a quick look)")
+    parser.add_argument(
+        "--all-rungs",
+        action="store_true",
+        help="compile every Speculative Rejection rung's decode loop (by default a rung whose rows and "
+        "cache slots a mix of two compiled rungs' covers is left out: it needs no more memory)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the plan as JSON too")
+    parser.set_defaults(handle=_plan_command)
+
+
+def _plan_command(args: argparse.Namespace) -> None:
+    planning = {"prompt_tokens": args.prompt_tokens, "layers": args.layers, "all_rungs": args.all_rungs}
+    print(plan(args.config, args.overrides, args.target, args.json, **planning))
 
 
 def entry() -> None:
