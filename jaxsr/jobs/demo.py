@@ -14,6 +14,7 @@ token-forwards. Every number printed is measured in the run.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -34,7 +35,9 @@ from jaxsr.decoding.inputs import encode_prompts
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
 from jaxsr.loading.resolve import resolve_model, resolve_reward
+from jaxsr.models.model import Model
 from jaxsr.results import Result
+from jaxsr.rewards.base import Reward
 from jaxsr.search.best_of_n import best_of_n
 from jaxsr.search.speculative_rejection import check_rejection_rate, speculative_rejection
 from jaxsr.timing import compiling
@@ -47,6 +50,55 @@ GENERATOR = "SmolLM2-135M-Instruct"
 REWARD = "all-MiniLM-L6-v2 prompt/response relevance"
 AMATEUR = "smollm2-draft"
 OPENING = 60  # characters of an answer shown in the table
+
+
+@dataclasses.dataclass(frozen=True)
+class Demo:
+    """The demo's settings, checked: prompts, answer length, Best-of-N sizes, SR's α, SCD's γ, seed."""
+
+    prompts: int
+    max_new_tokens: int
+    ns: list[int]
+    rejection_rate: float
+    gamma: int
+    seed: int
+
+    @classmethod
+    def checked(
+        cls,
+        prompts: int,
+        max_new_tokens: int,
+        ns: Sequence[int],
+        rejection_rate: float,
+        gamma: int,
+        seed: int,
+    ) -> Demo:
+        """The settings, or a ValueError naming the first bad one (before any model loads)."""
+        count = check_positive_int("prompts", prompts)
+        max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
+        sizes = sorted({check_positive_int("n", n) for n in ns})
+        if not sizes:
+            raise ValueError("n: give at least one Best-of-N size")
+        gamma, seed = check_positive_int("gamma", gamma), check_seed(seed)
+        rejection_rate = check_rejection_rate(rejection_rate)
+        available = len(read_prompts(DATA))
+        if count > available:
+            raise ValueError(f"prompts: {DATA} has {available} prompts, fewer still in one length bucket")
+        return cls(count, max_new_tokens, sizes, rejection_rate, gamma, seed)
+
+    @property
+    def budget(self) -> int:
+        """Every search's KV slots: Best-of-8's memory."""
+        return PROMPT_BUCKET + BASE_N * bucket(self.max_new_tokens)
+
+    @property
+    def sr_label(self) -> str:
+        return f"SR α={self.rejection_rate:g}"
+
+    @property
+    def common(self) -> dict[str, Any]:
+        """Every call's decoding arguments."""
+        return dict(max_new_tokens=self.max_new_tokens, sampling=SAMPLING, seed=self.seed)
 
 
 def run_demo(
@@ -62,29 +114,40 @@ def run_demo(
 ) -> dict[str, Path]:
     """Run the demo, print its tables on stdout (status lines and the progress bar on stderr) and write
     `records.jsonl` and `reward_vs_compute.png` under `output_dir`; returns their paths."""
-    count = check_positive_int("prompts", prompts)
-    max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
-    ns = sorted({check_positive_int("n", n) for n in ns})
-    if not ns:
-        raise ValueError("n: give at least one Best-of-N size")
-    gamma, seed = check_positive_int("gamma", gamma), check_seed(seed)
-    rejection_rate = check_rejection_rate(rejection_rate)
-    available = len(read_prompts(DATA))
-    if count > available:
-        raise ValueError(f"prompts: {DATA} has {available} prompts, fewer still in one length bucket")
+    demo = Demo.checked(prompts, max_new_tokens, ns, rejection_rate, gamma, seed)
+    out_dir = writable_dir(output_dir)  # before minutes of decoding: the results must go somewhere
+    status(f"loading {GENERATOR}…")
+    lm = resolve_model("smollm2", "float32")
+    status("loading all-MiniLM-L6-v2 (the reward)…")
+    reward = resolve_reward("minilm", "float32")
+    picked = pick_prompts(lm, demo.prompts)
+    emit(introduction(demo, picked))
+    bar = tqdm(
+        total=demo.prompts * (len(demo.ns) + 3), disable=not progress, unit="call", file=sys.stderr,
+        dynamic_ncols=True,
+    )  # fmt: skip
+    searched = run_searches(lm, reward, picked, demo, bar)
+    emit(search_report(picked, searched, demo))
+    pairs = run_pairs(lm, picked, demo, bar)
+    bar.close()
+    emit(pair_report(pairs, demo))
+    return write_outputs(out_dir, picked, {**searched, **pairs}, demo)
+
+
+def writable_dir(output_dir: str | Path) -> Path:
+    """`output_dir`, created; a ValueError where it cannot be created or written."""
     out_dir = Path(output_dir)
-    try:  # before minutes of decoding: the results must have somewhere to go
+    try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"output_dir: cannot create {out_dir} ({e.strerror or e})") from None
     if not os.access(out_dir, os.W_OK):
         raise ValueError(f"output_dir: {out_dir} is not writable")
+    return out_dir
 
-    status(f"loading {GENERATOR}…")
-    lm = resolve_model("smollm2", "float32")
-    status("loading all-MiniLM-L6-v2 (the reward)…")
-    reward = resolve_reward("minilm", "float32")
-    # the first prompts of one length bucket: one prompt shape
+
+def pick_prompts(lm: Model, count: int) -> list[tuple[int, str]]:
+    """The first `count` (index, prompt) of `DATA` in one length bucket: one prompt shape."""
     in_bucket = (
         (i, p)
         for i, p in enumerate(read_prompts(DATA))
@@ -95,31 +158,35 @@ def run_demo(
         raise ValueError(
             f"prompts: {DATA} has only {len(picked)} usable prompts of the {PROMPT_BUCKET} bucket"
         )
-    budget = PROMPT_BUCKET + BASE_N * bucket(max_new_tokens)
-    common = dict(max_new_tokens=max_new_tokens, sampling=SAMPLING, seed=seed)
-    emit(
+    return picked
+
+
+def introduction(demo: Demo, picked: list[tuple[int, str]]) -> str:
+    return (
         "jaxsr demo: Best-of-N vs Speculative Rejection, then speculative contrastive vs contrastive "
-        f"decoding\n{plural(count, 'AlpacaFarm prompt')} ({DATA} #{', #'.join(str(i) for i, _ in picked)}), "
-        f"seed {seed}, T=1 top-k 50, at most {max_new_tokens} new tokens\n"
+        f"decoding\n{plural(demo.prompts, 'AlpacaFarm prompt')} "
+        f"({DATA} #{', #'.join(str(i) for i, _ in picked)}), "
+        f"seed {demo.seed}, T=1 top-k 50, at most {demo.max_new_tokens} new tokens\n"
         f"generator {GENERATOR}; reward {REWARD}\n"
-        f"KV budget {budget} slots = Best-of-{BASE_N}'s memory ({PROMPT_BUCKET}-slot prompt + "
-        f"{BASE_N} × {bucket(max_new_tokens)}) for every search"
+        f"KV budget {demo.budget} slots = Best-of-{BASE_N}'s memory ({PROMPT_BUCKET}-slot prompt + "
+        f"{BASE_N} × {bucket(demo.max_new_tokens)}) for every search"
     )
 
+
+def run_searches(
+    lm: Model, reward: Reward, picked: list[tuple[int, str]], demo: Demo, bar: tqdm
+) -> dict[str, list[Result]]:
+    """SR and each Best-of-N on every prompt, one call each, timed less the compiling inside it."""
     began = time.time()
-    bar = tqdm(
-        total=count * (len(ns) + 3), disable=not progress, unit="call", file=sys.stderr, dynamic_ncols=True
-    )
     status("compiling… (each batch shape compiles on first use; wall times leave that time out)")
-    sr_label = f"SR α={rejection_rate:g}"
-    searched: dict[str, list[Result]] = {sr_label: [], **{f"Best-of-{n}": [] for n in ns}}
+    # SR first: it pays for the reward's one embedding of the prompt, which later calls reuse
+    runs: list[tuple[str, Callable[..., list[Result]], dict[str, Any]]] = [
+        (demo.sr_label, speculative_rejection, {"rejection_rate": demo.rejection_rate}),
+        *((f"Best-of-{n}", best_of_n, {"n": n}) for n in demo.ns),
+    ]
+    searched: dict[str, list[Result]] = {label: [] for label, _, _ in runs}
     for index, prompt in picked:
-        search = dict(memory_budget=budget, prompt_offset=index, **common)
-        # SR first: it pays for the reward's one embedding of the prompt, which later calls reuse
-        runs: list[tuple[str, Callable[..., list[Result]], dict[str, Any]]] = [
-            (sr_label, speculative_rejection, {"rejection_rate": rejection_rate}),
-            *((f"Best-of-{n}", best_of_n, {"n": n}) for n in ns),
-        ]
+        search = dict(memory_budget=demo.budget, prompt_offset=index, **demo.common)
         for label, method, options in runs:
             bar.set_description(f"#{index} {label}")
             start = time.time()
@@ -130,34 +197,41 @@ def run_demo(
             searched[label].append(result)
             bar.set_postfix_str(f"compiled {compiling(began):.0f} s")
             bar.update()
-    emit(search_report(picked, searched, ns, sr_label, budget, rejection_rate))
+    return searched
 
+
+def run_pairs(lm: Model, picked: list[tuple[int, str]], demo: Demo, bar: tqdm) -> dict[str, list[Result]]:
+    """Contrastive and speculative contrastive decoding of every prompt, the draft as the amateur."""
     status(f"loading {AMATEUR} (the amateur)…")
     amateur = resolve_model(AMATEUR, "float32")
     status("compiling… (contrastive and speculative contrastive decoding, on their first prompt)")
     pairs: dict[str, list[Result]] = {"CD": [], "SCD": []}
     for index, prompt in picked:
-        run = dict(prompt_offset=index, **common)
+        run = dict(prompt_offset=index, **demo.common)
         bar.set_description(f"#{index} CD")
         pairs["CD"] += contrastive_decode(lm, amateur, [prompt], **run)
         bar.update()
         bar.set_description(f"#{index} SCD")
-        pairs["SCD"] += speculative_contrastive_decode(lm, amateur, [prompt], gamma=gamma, **run)
+        pairs["SCD"] += speculative_contrastive_decode(lm, amateur, [prompt], gamma=demo.gamma, **run)
         bar.update()
-    bar.close()
-    emit(pair_report(pairs, gamma, count, max_new_tokens))
+    return pairs
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    records = out_dir / "records.jsonl"
+
+def write_outputs(
+    out_dir: Path, picked: list[tuple[int, str]], results: dict[str, list[Result]], demo: Demo
+) -> dict[str, Path]:
+    """The records and the plot under `out_dir`, their paths printed and returned."""
     methods = {
-        sr_label: "speculative_rejection",
-        **{f"Best-of-{n}": "best_of_n" for n in ns},
+        demo.sr_label: "speculative_rejection",
+        **{f"Best-of-{n}": "best_of_n" for n in demo.ns},
         "CD": "contrastive_decode",
         "SCD": "speculative_contrastive_decode",
     }
-    rows = write_records(records, picked, {**searched, **pairs}, methods)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = out_dir / "records.jsonl"
+    rows = write_records(records, picked, results, methods)
     plot = out_dir / "reward_vs_compute.png"
-    plot_reward_vs_compute(plot, searched, ns, sr_label, budget, count, max_new_tokens)
+    plot_reward_vs_compute(plot, results, demo)
     emit(f"records: {records} ({rows} lines, one per method and prompt)\nplot:    {plot}")
     return {"records": records, "plot": plot}
 
@@ -221,20 +295,14 @@ def start_widths(sr: list[Result]) -> str:
     return "/".join(str(w) for w in sorted({r.stats["initial_batch"] for r in sr}))
 
 
-def search_report(
-    picked: list[tuple[int, str]],
-    searched: dict[str, list[Result]],
-    ns: list[int],
-    sr_label: str,
-    budget: int,
-    rejection_rate: float,
-) -> str:
+def search_report(picked: list[tuple[int, str]], searched: dict[str, list[Result]], demo: Demo) -> str:
     """Per prompt each method's chosen answer and cost, then the means and SR's speedup."""
+    ns, sr_label, budget = demo.ns, demo.sr_label, demo.budget
     lines = [
         wrap(
             f"Best-of-N vs Speculative Rejection (SR): in the {budget}-slot budget Best-of-N decodes "
             f"at most {BASE_N} rows at a time, while SR starts {start_widths(searched[sr_label])} rows "
-            f"wide (the rows share one prompt cache) and stops the worst α={rejection_rate:g} of the "
+            f"wide (the rows share one prompt cache) and stops the worst α={demo.rejection_rate:g} of the "
             "partial answers whenever the cache fills. Reward: the chosen answer's; fwd: token-forwards "
             "of the generator and the reward model; wall s: the call's wall time less the time JAX spent "
             "compiling in it."
@@ -291,7 +359,7 @@ def search_report(
     return "\n".join(lines)
 
 
-def pair_report(pairs: dict[str, list[Result]], gamma: int, count: int, max_new_tokens: int) -> str:
+def pair_report(pairs: dict[str, list[Result]], demo: Demo) -> str:
     """Acceptance, tokens per expert call and decoding speed of SCD against CD over all prompts."""
     header = ["method", "tokens", "decode s", "tokens/s", "λ", "tokens/expert call", "compile s"]
     rows, speed = [], {}
@@ -319,11 +387,12 @@ def pair_report(pairs: dict[str, list[Result]], gamma: int, count: int, max_new_
             ]
         )
     intro = (
-        f"Speculative contrastive decoding (SCD, γ={gamma}) vs contrastive decoding (CD): expert "
+        f"Speculative contrastive decoding (SCD, γ={demo.gamma}) vs contrastive decoding (CD): expert "
         f"{GENERATOR}, amateur {AMATEUR}, α=0.1 β=0.5, one answer to each of the "
-        f"{plural(count, 'prompt')}, at most {max_new_tokens} new tokens. SCD samples CD's distribution "
-        "exactly, the amateur drafting γ tokens per expert call; λ: the share of drafted tokens accepted. "
-        "Speeds are tokens ÷ decode time: jaxsr times compilation apart (compile s) and it is left out."
+        f"{plural(demo.prompts, 'prompt')}, at most {demo.max_new_tokens} new tokens. SCD samples CD's "
+        "distribution exactly, the amateur drafting γ tokens per expert call; λ: the share of drafted "
+        "tokens accepted. Speeds are tokens ÷ decode time: jaxsr times compilation apart (compile s) "
+        "and it is left out."
     )
     ratio = f"  SCD ÷ CD decoding speed: {speed['SCD'] / speed['CD']:.2f}×"
     return "\n".join([wrap(intro), table(header, rows), ratio])
@@ -352,15 +421,7 @@ def write_records(
     return len(lines)
 
 
-def plot_reward_vs_compute(
-    path: Path,
-    searched: dict[str, list[Result]],
-    ns: list[int],
-    sr_label: str,
-    budget: int,
-    count: int,
-    max_new_tokens: int,
-) -> None:
+def plot_reward_vs_compute(path: Path, searched: dict[str, list[Result]], demo: Demo) -> None:
     """Mean best reward against mean generator token-forwards: Best-of-N's curve and SR's point."""
     import matplotlib
 
@@ -374,6 +435,7 @@ def plot_reward_vs_compute(
             float(np.mean([r.best.score for r in results])),
         )
 
+    ns, sr_label = demo.ns, demo.sr_label
     bon = [point(searched[f"Best-of-{n}"]) for n in ns]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.plot(*zip(*bon, strict=True), "o-", label="Best-of-N")
@@ -387,8 +449,8 @@ def plot_reward_vs_compute(
     ax.set_xlabel("generator token-forwards per prompt (mean)")
     ax.set_ylabel("best reward (mean)")
     ax.set_title(
-        f"{GENERATOR}, reward {REWARD}\n{count} AlpacaFarm prompts, ≤{max_new_tokens} new tokens, "
-        f"KV budget {budget} slots",
+        f"{GENERATOR}, reward {REWARD}\n{demo.prompts} AlpacaFarm prompts, ≤{demo.max_new_tokens} new "
+        f"tokens, KV budget {demo.budget} slots",
         fontsize=9,
     )
     ax.grid(alpha=0.3)
