@@ -339,6 +339,27 @@ def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None 
     failure leaves `directory` as it was. Other files already in `directory` are kept; files of an
     earlier checkpoint that this one would not replace (shards, an index, a tokenizer) are refused.
     """
+    directory, pad_token_id = _checked_save(model, directory, pad_token_id)
+    params = {
+        path: np.asarray(jax.device_get(leaf.get_value())) for path, leaf in nnx.to_flat_state(model.params)
+    }
+    tensors = export_hf_tensors(model.config, params)
+    eos = list(model.eos_token_ids)
+    hf_config = _saved_config(model, pad_token_id)
+
+    def write(staging: Path) -> None:
+        write_safetensors(staging / "model.safetensors", tensors)
+        if eos:
+            (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(str(staging))
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+    return _write_staged(directory, write)
+
+
+def _checked_save(model: Model, directory: str | Path, pad_token_id: int | None) -> tuple[Path, int | None]:
+    """`save_model`'s arguments checked: the directory as a path to write, the pad id as an int."""
     if not isinstance(model, Model):
         raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
     if model.config.quantized_weights:
@@ -355,15 +376,16 @@ def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None 
             raise ValueError(
                 f"pad_token_id: expected an id in [0, {model.config.vocab_size}), got {pad_token_id}"
             )
-    directory = user_path("directory", directory)
-    if directory.name in ("", ".."):  # ".", "a/..": stage beside the directory it names, not inside it
-        directory = directory.resolve()
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"directory: {directory} exists and is not a directory")
-    params = {
-        path: np.asarray(jax.device_get(leaf.get_value())) for path, leaf in nnx.to_flat_state(model.params)
-    }
-    tensors = export_hf_tensors(model.config, params)
+    path = user_path("directory", directory)
+    if path.name in ("", ".."):  # ".", "a/..": stage beside the directory it names, not inside it
+        path = path.resolve()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"directory: {path} exists and is not a directory")
+    return path, pad_token_id
+
+
+def _saved_config(model: Model, pad_token_id: int | None) -> dict[str, Any]:
+    """The config.json of `model`: its architecture, EOS ids, and the pad id (default the tokenizer's)."""
     hf_config = hf_config_from_decoder(model.config)
     eos = list(model.eos_token_ids)
     if eos:
@@ -372,7 +394,12 @@ def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None 
         pad_token_id = model.tokenizer.pad_token_id
     if pad_token_id is not None:
         hf_config["pad_token_id"] = int(pad_token_id)
+    return hf_config
 
+
+def _write_staged(directory: Path, write: Callable[[Path], None]) -> Path:
+    """Let `write` fill a temporary sibling of `directory`, then move its files into place: a failure
+    leaves `directory` as it was (and removes the parents it created)."""
     created = _make_parents(directory)
     staging = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
@@ -381,12 +408,7 @@ def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None 
         _remove_dirs(created)
         raise ValueError(f"directory: {directory} cannot be created ({e.strerror})") from None
     try:
-        write_safetensors(staging / "model.safetensors", tensors)
-        if eos:
-            (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
-        if model.tokenizer is not None:
-            model.tokenizer.save_pretrained(str(staging))
-        (staging / "config.json").write_text(json.dumps(hf_config, indent=2))
+        write(staging)
         written = sorted(p.name for p in staging.iterdir())
         if not directory.exists():
             staging.rename(directory)
