@@ -112,7 +112,7 @@ def _garbage_rows(cfg: DecoderConfig, rows: int, capacity: int, seed: int = 7) -
     rng = np.random.default_rng(seed)
     noise = lambda *shape: jnp.asarray(10.0 * rng.standard_normal(shape), jnp.float32)
     K, D, layers = cfg.num_kv_heads, cfg.head_dim, range(cfg.num_layers)
-    keys = (rows, K, D, capacity) if key_slot_axis(D) == 3 else (rows, K, capacity, D)
+    keys = (rows, K, D, capacity) if key_slot_axis(D, False) == 3 else (rows, K, capacity, D)
     return RowCache(
         k=tuple(noise(*keys) for _ in layers),
         v=tuple(noise(rows, K, capacity, D) for _ in layers),
@@ -302,7 +302,7 @@ def _garbage_int8_rows(cfg: DecoderConfig, rows: int, capacity: int, seed: int =
     ints = lambda *shape: jnp.asarray(rng.integers(-127, 128, shape), jnp.int8)
     scales = lambda: jnp.asarray(rng.uniform(0.5, 2.0, (rows, cfg.num_kv_heads, capacity)), jnp.float32)
     K, D, layers = cfg.num_kv_heads, cfg.head_dim, range(cfg.num_layers)
-    keys = (rows, K, D, capacity) if key_slot_axis(D) == 3 else (rows, K, capacity, D)
+    keys = (rows, K, D, capacity) if key_slot_axis(D, True) == 3 else (rows, K, capacity, D)
     return RowCache(
         k=tuple(ints(*keys) for _ in layers),
         v=tuple(ints(rows, K, capacity, D) for _ in layers),
@@ -384,9 +384,10 @@ def test_int8_rollback_ignores_stale_slots(kind):
 
 @pytest.mark.parametrize("kind", ["float", "int8"])
 def test_keys_stored_as_values_decode_as_transposed_keys(monkeypatch, kind):
-    """A TPU's cache layout for heads of 128 or more (`key_slot_axis` 2: keys stored as values are),
-    forced on CPU: its full forward gives the transposed layout's logits, and cached decoding of 1 and 3
-    tokens a call into row caches whose free slots hold garbage gives the full forward's."""
+    """A TPU's cache layout for float heads of 128 or more (`key_slot_axis` 2: keys stored as values
+    are; int8 keys stay transposed), forced on CPU: its full forward gives the transposed layout's
+    logits, and cached decoding of 1 and 3 tokens a call into row caches whose free slots hold garbage
+    gives the full forward's."""
     cfg = dataclasses.replace(CONFIGS["rope"], head_dim=128)
     cfg = cfg if kind == "float" else _int8(cfg)
     graph, params = _random_module(cfg)
@@ -395,9 +396,10 @@ def test_keys_stored_as_values_decode_as_transposed_keys(monkeypatch, kind):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     jax.clear_caches()  # traced anew, for a TPU's layout
     try:
-        assert key_slot_axis(cfg.head_dim) == 2 and key_slot_axis(64) == 3
+        assert key_slot_axis(cfg.head_dim, False) == 2 and key_slot_axis(64, False) == 3
+        assert key_slot_axis(cfg.head_dim, True) == 3
         _, prompt = _prefill(graph, params, tokens, mask)
-        assert prompt.k[0].shape == prompt.v[0].shape
+        assert (prompt.k[0].shape == prompt.v[0].shape) == (kind == "float")
         np.testing.assert_allclose(_prefill(graph, params, tokens, mask)[0], transposed, atol=TOL, rtol=0)
         if kind == "float":
             for step in (1, 3):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxsr.models.cache import KV, cache_layout, key_slot_axis
+from jaxsr.models.cache import KV, cache_layout, key_axis
 from jaxsr.models.layers import MASKED, soft_cap
 
 PREFILL_BLOCK = 512
@@ -141,7 +141,7 @@ def _key_slots(kv: KV, keys: slice) -> KV:
     """Slots `keys` of a layer in cache layout."""
     scales = (None, None) if kv.k_scale is None else (kv.k_scale[..., keys], kv.v_scale[..., keys])
     return KV(
-        jax.lax.slice_in_dim(kv.k, keys.start, keys.stop, axis=key_slot_axis(kv.v.shape[3])),
+        jax.lax.slice_in_dim(kv.k, keys.start, keys.stop, axis=key_axis(kv)),
         kv.v[:, :, keys],
         *scales,
     )
@@ -154,7 +154,7 @@ def _segment_scores(rows: jax.Array, seg: Segment, T: int, scale: float, softcap
     B = rows.shape[0]
     queries = _to_prompt_groups(rows, seg.k.shape[0]) if seg.shared else rows
     keys = seg.k if seg.k_scale is None else seg.k.astype(rows.dtype)
-    spec = "nkmd,nkds->nkms" if key_slot_axis(seg.v.shape[3]) == 3 else "nkmd,nksd->nkms"
+    spec = "nkmd,nkds->nkms" if key_axis(seg) == 3 else "nkmd,nksd->nkms"
     s = jnp.einsum(spec, queries, keys, preferred_element_type=jnp.float32)
     if seg.k_scale is not None:
         s = s * seg.k_scale[:, :, None, :]

@@ -18,7 +18,7 @@ scores and to the probabilities (`jaxsr.models.attention`), so the cache is neve
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,24 +52,25 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(q, -INT8_MAX, INT8_MAX).astype(jnp.int8), scale
 
 
-def key_slot_axis(head_dim: int) -> int:
-    """The slot axis of stored keys of `head_dim` for the devices being traced for (the mesh
-    `jax.set_mesh` gives, else the default backend): 2 on a TPU with heads of 128 or more (a lane
-    row), keys laid out as values, [N, kv_heads, S, head_dim], so that a row's new key is one
-    contiguous vector its cache takes in place (transposed, XLA:TPU copied every row cache into another
-    layout and back each step: a Qwen3-8B SR plan cut to 2 layers moved 25.4/40.7/36.7 GiB a step over
-    its rungs, 19.2/13.8/9.8 as values); else 3, transposed, [N, kv_heads, head_dim, S], which XLA:CPU
-    multiplies fastest (keys as values decoded 1.2 times slower on CPU) and a TPU lays out better for
-    narrower heads (SmolLM2's 64: 45 GiB a step at 512 rows a v5e chip, 73 as values)."""
+def key_slot_axis(head_dim: int, quantized: bool) -> int:
+    """The slot axis of stored keys of `head_dim` (int8 where `quantized`) for the devices being traced
+    for (the mesh `jax.set_mesh` gives, else the default backend): 2 on a TPU with float heads of 128
+    or more (a lane row), keys laid out as values, [N, kv_heads, S, head_dim], so that a row's new key
+    is one contiguous vector its cache takes in place (transposed, XLA:TPU copied every row cache into
+    another layout and back each step: a Qwen3-8B SR plan cut to 2 layers moved 25.4/40.7/36.7 GiB a
+    step over its rungs, 19.2/13.8/9.8 as values); else 3, transposed, [N, kv_heads, head_dim, S],
+    which XLA:CPU multiplies fastest (keys as values decoded 1.2 times slower on CPU), a TPU lays out
+    better for narrower heads (SmolLM2's 64: 45 GiB a step at 512 rows a v5e chip, 73 as values), and
+    for int8 keys (the Gemma-2-9B SR job's first rung on a v5e-8: 58.1 GiB a step, 175.9 as values)."""
     mesh = jax.sharding.get_abstract_mesh()
     platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
-    return 2 if platform == "tpu" and head_dim >= 128 else 3
+    return 2 if platform == "tpu" and head_dim >= 128 and not quantized else 3
 
 
 def cache_layout(k: jax.Array, v: jax.Array, quantized: bool) -> KV:
     """Fresh projections k, v [N, S, kv_heads, head_dim] as a layer is stored: heads before slots (keys
     transposed where `key_slot_axis` says so), and int8 with their scales when `quantized`."""
-    keys = (0, 2, 3, 1) if key_slot_axis(k.shape[3]) == 3 else (0, 2, 1, 3)
+    keys = (0, 2, 3, 1) if key_slot_axis(k.shape[3], quantized) == 3 else (0, 2, 1, 3)
     if not quantized:
         return KV(k.transpose(keys), v.swapaxes(1, 2))
     (k, k_scale), (v, v_scale) = quantize(k), quantize(v)
@@ -83,9 +84,15 @@ def _layer(cache, layer: int) -> KV:
     return KV(cache.k[layer], cache.v[layer], cache.k_scale[layer], cache.v_scale[layer])
 
 
+def key_axis(kv: Any) -> int:
+    """The slot axis of one layer's keys (`key_slot_axis` of its heads' width and dtype): `kv` is a
+    `KV` or anything holding a layer's `v` and `k_scale` (an attention segment)."""
+    return key_slot_axis(kv.v.shape[3], kv.k_scale is not None)
+
+
 def _key_axis(cache) -> int:
-    """The slot axis of a prompt or row cache's keys (`key_slot_axis` of its heads' width)."""
-    return key_slot_axis(cache.v[0].shape[3])
+    """The slot axis of a prompt or row cache's keys (`key_slot_axis` of its heads' width and dtype)."""
+    return key_slot_axis(cache.v[0].shape[3], bool(cache.k_scale))
 
 
 def _layers(layers: list[KV]) -> dict[str, Layers]:
@@ -202,7 +209,7 @@ class RowCache:
         B, T, K = k.shape[:3]
         slots = self.length[:, None] + jnp.arange(T)[None, :]
         rows = jnp.arange(B)[:, None]
-        if key_slot_axis(k.shape[3]) == 2:  # keys as values: each (row, head, slot)'s vector
+        if _key_axis(self) == 2:  # keys as values: each (row, head, slot)'s vector
             at = at_key = (rows[:, :, None], jnp.arange(K)[None, None, :], slots[:, :, None])
         else:  # advanced indices (row, slot) come first in the indexed shape: [B, T, K, D] and [B, T, K]
             at, at_key = (rows, slice(None), slots), (rows, slice(None), slice(None), slots)
