@@ -378,13 +378,25 @@ def test_a_tpu_token_loop_writes_its_row_caches_in_place():
     """On a TPU the keys are stored as the values are, [rows, kv_heads, slots, head_dim]
     (`cache.key_slot_axis`), so a step writes each row's new key and value in place: its loop copies no
     array as large as one layer's row keys. Stored transposed, XLA:TPU copied every layer's keys and
-    values into another layout and back each step (4 copies a layer)."""
+    values into another layout and back each step (4 copies a layer). In place only where the slots
+    fill whole 16-slot tiles: a later rung of 219 slots copies its caches, one of 208 does not
+    (`memory.rung_align` rounds a TPU's rungs so)."""
     model = abstract_model(LLAMA_31_8B_2_LAYERS, target_mesh(V5E_8, data=8, model=1))
-    plan = plan_batch(model, V5E_8, dataclasses.replace(BATCH, prompts=8, rows=64, max_new_tokens=256))
+    rungs = ((16, 219), (8, 208))  # rows a prompt, slots: 16 and 8 rows a device
+    plan = plan_batch(
+        model, V5E_8, dataclasses.replace(BATCH, prompts=8, rows=64, max_new_tokens=256, rungs=rungs)
+    )
     layer = plan.row_cache_bytes // (2 * LLAMA_31_8B_2_LAYERS["num_hidden_layers"])  # a device's keys
     loop = plan.program("decode_loop")
     assert layer > 2**20 and loop.step_copied is not None
     assert all(hlo.type_bytes(shape) < layer for shape in loop.step_copied), (layer, loop.step_copied)
+    heads, head_dim = LLAMA_31_8B_2_LAYERS["num_key_value_heads"], 128
+
+    def copies_its_keys(name: str, rows: int, slots: int) -> bool:
+        keys = rows * heads * slots * head_dim * 2  # bf16
+        return any(hlo.type_bytes(shape) >= keys for shape in plan.program(name).step_copied)
+
+    assert copies_its_keys("decode_loop_rung2", 16, 219) and not copies_its_keys("decode_loop_rung3", 8, 208)
 
 
 @needs_libtpu

@@ -130,7 +130,8 @@ def test_an_early_finished_answer_outranked_by_partials_is_still_chosen():
 def no_eos_decisions(plan: MemoryPlan, room: int, max_new: int, rate: float, min_keep: int, overshoot: int):
     """The plan's decisions when no response finishes: each round fills its rung's cache (a speculative
     step may run `overshoot` tokens past it) and the rule keeps round((1-α)·rows). Yields whether the
-    memory can hold the kept rows at the tokens generated, the kept count and the next rung."""
+    memory can hold the kept rows at the tokens generated, the kept count, the next rung and the rows
+    of the rung decided at."""
     rows = plan.ladder[0]
     while True:
         assert rows * (plan.capacity(rows) + plan.headroom) <= room  # within the budget
@@ -139,7 +140,7 @@ def no_eos_decisions(plan: MemoryPlan, room: int, max_new: int, rate: float, min
         if generated == max_new or keep == 0:
             return
         rung = plan.next_rung(keep, generated)
-        yield keep * (generated + plan.headroom) <= room, keep, rung
+        yield keep * (generated + plan.headroom) <= room, keep, rung, rows
         if rung is None:
             return
         rows = rung
@@ -151,23 +152,67 @@ def test_the_plan_forces_a_rejection_only_where_the_memory_cannot_hold_the_kept_
     """The next rung is exactly the rule's keep count whenever the memory can hold those rows at the
     tokens already generated; otherwise fewer rows continue (a forced rejection). That happens with
     short first segments, long look-ahead overshoots or the last few rows, never at a Best-of-N budget
-    with the default 16-token first segment."""
-    for prompt, budget, max_new, headroom, segment in itertools.product(
-        [16, 64], [144, 528, 1000, 1040, 4112], [40, 128, 256], [0, 4], [8, 16]
+    with the default 16-token first segment. Rungs aligned to a TPU's tiles (`align=16`) force no more,
+    except where a decision keeps every row of its rung: those rows then stop growing within one tile
+    of where the memory would stop them."""
+    for prompt, budget, max_new, headroom, segment, align in itertools.product(
+        [16, 64], [144, 528, 1000, 1040, 4112], [40, 128, 256], [0, 4], [8, 16], [1, 16]
     ):
         try:
-            plan = MemoryPlan(budget, prompt, max_new, None, rate, segment, headroom)
+            plan = MemoryPlan(budget, prompt, max_new, None, rate, segment, headroom, align)
         except ValueError:
             continue
         for overshoot in {0, max(headroom - 1, 0)}:
-            for fits, keep, rung in no_eos_decisions(
+            for fits, keep, rung, rows in no_eos_decisions(
                 plan, budget - prompt, max_new, rate, min_keep, overshoot
             ):
-                assert rung == keep if fits else rung is None or rung < keep
+                assert rung is None or (rung <= keep if fits else rung < keep)
+                if fits and rung != keep:  # a tile's slots the aligned rung gave up
+                    room_a_row = (budget - prompt) // keep - headroom
+                    assert align > 1 and keep == rows and room_a_row - plan.capacity(rows) < align
     for max_new, n in itertools.product([32, 40, 128, 256, 512], [4, 8, 16]):
         budget = 16 + n * bucket(max_new)
         plan = MemoryPlan(budget, 16, max_new, None, rate, 16)
-        assert all(fits for fits, _, _ in no_eos_decisions(plan, budget - 16, max_new, rate, min_keep, 0))
+        assert all(fits for fits, *_ in no_eos_decisions(plan, budget - 16, max_new, rate, min_keep, 0))
+
+
+def test_on_a_tpu_rungs_are_whole_tiles_where_that_stops_no_row(monkeypatch):
+    """Keys stored as values (a TPU, float heads of 128 or more) align every rung to 16 slots: the
+    first rung always, a later one where its rows still hold what the rows above bring; elsewhere (CPU,
+    int8 keys, narrower heads) every rung is as wide as before."""
+    import contextlib
+    import types
+
+    import jax
+
+    from jaxsr.search.memory import rung_align
+
+    def sampler(head_dim: int, kv_dtype: str | None = None):
+        config = types.SimpleNamespace(head_dim=head_dim, quantized_kv=kv_dtype == "int8")
+        return types.SimpleNamespace(
+            models=[types.SimpleNamespace(config=config)], on_mesh=contextlib.nullcontext
+        )
+
+    assert rung_align(sampler(128)) == 1  # CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert [rung_align(sampler(128)), rung_align(sampler(256)), rung_align(sampler(128, "int8"))] == [
+        16,
+        16,
+        1,
+    ]
+    assert rung_align(sampler(64)) == 1
+
+    def capacities(budget: int, rate: float, segment: int, align: int) -> list[int]:
+        plan = MemoryPlan(128 + budget, 128, 512, None, rate, segment, 0, align)
+        return [plan.capacity(rows) for rows in plan.ladder]
+
+    assert capacities(1536, 0.75, 8, 1) == capacities(1536, 0.75, 8, 16) == [8, 32, 128, 512, 512]
+    assert capacities(1000, 0.75, 8, 1) == [8, 32, 125, 500, 512]  # rows 125, 31, 8, 2, 1
+    assert capacities(1000, 0.75, 8, 16) == [8, 32, 112, 496, 512]
+    # α=0.1 from 16 slots: rungs a few slots apart keep every slot (a row arrives with one more token
+    # than the rung above holds), until a whole tile also holds that
+    assert capacities(684, 0.1, 16, 1)[:8] == [16, 18, 20, 22, 24, 27, 31, 34]
+    assert capacities(684, 0.1, 16, 16)[:8] == [16, 18, 20, 22, 24, 27, 31, 32]
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.7, 0.9])

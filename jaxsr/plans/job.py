@@ -21,7 +21,7 @@ from jaxsr.plans.abstract import abstract_model, bytes_per_device
 from jaxsr.plans.compiled import Batch, Plan, Program, plan_batch, plan_scores
 from jaxsr.plans.sources import hf_config_of
 from jaxsr.plans.targets import GIB, Target, target_mesh
-from jaxsr.search.memory import MemoryPlan, mesh_budget
+from jaxsr.search.memory import MemoryPlan, mesh_budget, rung_align
 from jaxsr.sharding import data_shards, padded_rows
 
 BUILT_IN_REWARDS = ("self_likelihood", "neg_perplexity", "self_certainty", "minilm")
@@ -268,7 +268,7 @@ def first_rung(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: i
         budget = mesh_budget(budget // copies, prompt_slots, row, data_shards(sampler.mesh))
     memory = MemoryPlan(
         budget, prompt_slots, config.max_new_tokens, config.n, config.rejection_rate,
-        config.min_first_segment, reserve,
+        config.min_first_segment, reserve, rung_align(sampler),
     )  # fmt: skip
     first, *later = memory.ladder
     rows, new = padded_rows(first, sampler.mesh), config.max_new_tokens

@@ -9,9 +9,11 @@ from typing import Any
 from jaxsr.decoding.driver import Sampler
 from jaxsr.decoding.memory import budget_slots, derived, row_reserve
 from jaxsr.ladder import bucket
+from jaxsr.models.cache import key_slot_axis
 from jaxsr.sharding import data_shards
 
 SLOT_ALIGN = 8  # the first rung's row-cache length is a multiple of this (fewer shapes across budgets)
+TPU_SLOT_ALIGN = 16  # every rung's, where a TPU stores keys as values (a bf16 tile's rows: `rung_align`)
 
 
 def prompt_budget(
@@ -38,6 +40,18 @@ def mesh_budget(per_device: int, prompt_slots: int, row: int, shards: int) -> in
     return max(per_device, prompt_slots + shards * (per_device - prompt_slots - row))
 
 
+def rung_align(sampler: Sampler) -> int:
+    """Slots every rung's row cache is a whole multiple of: `TPU_SLOT_ALIGN` where the sampler's
+    devices store keys as values (`key_slot_axis`: a TPU, float heads of 128 or more), else 1. XLA:TPU
+    scatters a row's new key and value into [rows, heads, slots, head_dim] in place only when the
+    slots fill whole tiles; else it copied the whole cache into [rows × slots × heads, head_dim] and
+    back each step (the Gemma-2-9B SR job cut to 2 layers on a v5p-8: its second rung moved 156.2 GiB
+    a step at 219 slots, 65.0 at 208)."""
+    with sampler.on_mesh():
+        as_values = any(key_slot_axis(m.config.head_dim, m.config.quantized_kv) == 2 for m in sampler.models)
+    return TPU_SLOT_ALIGN if as_values else 1
+
+
 def batch_ladder(first: int, rejection_rate: float) -> list[int]:
     """B0, round((1-α)·B0), … down to 1: the rows the keep rule leaves when no response has finished.
     Where the rule would not shrink a rung (small rungs, small α) the next is one row less; α=0 is
@@ -51,7 +65,8 @@ def batch_ladder(first: int, rejection_rate: float) -> list[int]:
 class MemoryPlan:
     """Memory plan for one prompt's Speculative Rejection: first batch, ladder, and each rung's
     row-cache length. A row of a rung takes `capacity(rows)` slots for its segment plus `headroom`
-    slots (`row_reserve`: look-ahead, and working memory where the budget is the device's)."""
+    slots (`row_reserve`: look-ahead, and working memory where the budget is the device's); every
+    rung's capacity is a multiple of `align` (`rung_align`), the first rung's of SLOT_ALIGN too."""
 
     def __init__(
         self,
@@ -62,13 +77,15 @@ class MemoryPlan:
         rate: float,
         min_segment: int,
         headroom: int = 0,
+        align: int = 1,
     ):
-        self.budget, self.prompt_slots, self.headroom = budget, prompt_slots, headroom
+        self.budget, self.prompt_slots, self.headroom, self.align = budget, prompt_slots, headroom, align
         self.max_new_tokens, self.max_slots = max_new_tokens, bucket(max_new_tokens)
         room = budget - prompt_slots
-        # the first segment is a whole multiple of SLOT_ALIGN (see `capacity`): round the minimum up
-        if min_segment > SLOT_ALIGN:
-            min_segment = min(-(-min_segment // SLOT_ALIGN) * SLOT_ALIGN, max(self.max_slots, SLOT_ALIGN))
+        # the first segment is a whole multiple of its alignment (see `capacity`): round the minimum up
+        first_align = max(SLOT_ALIGN, align)
+        if min_segment > first_align:
+            min_segment = min(-(-min_segment // first_align) * first_align, max(self.max_slots, first_align))
         per_row = min_segment + headroom
         if room < per_row:
             raise ValueError(
@@ -83,15 +100,32 @@ class MemoryPlan:
                 f"({prompt_slots} prompt + {first}×{per_row} first-segment and reserved slots)"
             )
         self.ladder = batch_ladder(first, rate)
+        self._capacities = self._rung_capacities()
 
     def capacity(self, rows: int) -> int:
-        """Segment slots per row at a rung of `rows` rows (the headroom comes on top). The first rung's
-        is a multiple of SLOT_ALIGN (fewer compiled shapes across budgets); later rungs take every slot
-        the budget allows, so that rows kept there grow whenever the memory can hold them."""
-        room = (self.budget - self.prompt_slots) // rows - self.headroom
-        if rows == self.ladder[0] and room >= SLOT_ALIGN:
-            room = room // SLOT_ALIGN * SLOT_ALIGN
-        return min(self.max_slots, room)
+        """Segment slots per row at the rung of `rows` rows (the headroom comes on top). The first
+        rung's is a multiple of SLOT_ALIGN (fewer compiled shapes across budgets) and of `align`; later
+        rungs take every slot the budget allows, so that rows kept there grow whenever the memory can
+        hold them, rounded down to a multiple of `align` only where that still holds the tokens rows
+        arriving from the rung above can have (a decision that keeps every row of an aligned rung then
+        stops them at most a tile earlier than the memory would)."""
+        return self._capacities[rows]
+
+    def _rung_capacities(self) -> dict[int, int]:
+        """`capacity` of each rung of the ladder, widest first."""
+        capacities: dict[int, int] = {}
+        above = None  # the capacity of the rung above
+        for rows in self.ladder:
+            room = (self.budget - self.prompt_slots) // rows - self.headroom
+            if above is None:
+                align = max(SLOT_ALIGN, self.align)
+                room = room // align * align if room >= align else room
+            else:
+                aligned = room // self.align * self.align
+                # a row arrives with at most the rung above's slots + 1 tokens (+ look-ahead overshoot)
+                room = aligned if aligned >= above + 1 + self.headroom else room
+            above = capacities[rows] = min(self.max_slots, room)
+        return capacities
 
     def next_rung(self, survivors: int, generated: int) -> int | None:
         """Smallest rung ≥ survivors whose cache can grow past `generated`; else the widest that can."""

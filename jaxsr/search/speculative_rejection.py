@@ -8,7 +8,8 @@ fixed-shape decode state; finished and rejected rows are masked, and at each dec
 survivors are gathered into a rung of a static batch ladder B0 > round((1-α)·B0) > … (the rows the
 keep rule leaves when no response has finished; one row less where it would not shrink). A rung's
 row cache takes every slot the budget allows (the first rung's rounded down to a multiple of
-`memory.SLOT_ALIGN`; the plan is `memory.MemoryPlan`), so the rows the rule keeps fit the next rung
+`memory.SLOT_ALIGN`, every rung's to one of a TPU's tile where keys are stored as values:
+`memory.rung_align`; the plan is `memory.MemoryPlan`), so the rows the rule keeps fit the next rung
 and grow there whenever the memory can hold them; each rung is one compiled shape. Survivors are
 never re-prefilled.
 
@@ -30,7 +31,10 @@ more of them than the rule would of the live rows alone; a short first segment o
 look-ahead overshoot can leave too little room to grow), the lowest-ranked are also stopped, down to
 the widest rung that can grow (where none can, the search ends on this round's rows):
 `Result.stats["forced_rejections"]` and each decision's `forced` count them. With no finished
-response and a first segment of at least 16 tokens at a Best-of-N budget this does not happen.
+response and a first segment of at least 16 tokens at a Best-of-N budget this does not happen. On a
+TPU with keys stored as values a rung's cache is whole 16-slot tiles where the rows arriving fit
+(`memory.rung_align`), so a decision that keeps every row of such a rung can force one up to a tile
+sooner than the memory would.
 
 The rows may be decoded by a two-model sampler (`jaxsr.speculative_decoder` etc.): the budget then
 counts positions in both models' caches, each row keeps the sampler's look-ahead headroom (γ+1 slots)
@@ -56,7 +60,7 @@ from jaxsr.models.model import Model
 from jaxsr.results import Rejected, Result, Sample
 from jaxsr.rewards import as_reward
 from jaxsr.search.candidates import check_reward
-from jaxsr.search.memory import MemoryPlan, prompt_budget
+from jaxsr.search.memory import MemoryPlan, prompt_budget, rung_align
 from jaxsr.search.scheduler import Batch, Decision, PromptSearch, run_searches
 
 Rule = Literal["keep_fraction", "quantile"]
@@ -232,7 +236,7 @@ def speculative_rejection(
     check_reward(reward, sampler.target, prompts, request.encoded)
     concurrent_prompts = min(concurrent_prompts, len(request.encoded))  # no more in flight than there are
     # every prompt's plan before any decoding: a prompt that cannot fit its budget is refused up front
-    searches = []
+    searches, align = [], rung_align(sampler)
     for i, ids in enumerate(request.encoded):
         prompt_slots = bucket(len(ids), config.min_prompt_bucket)
         budget = prompt_budget(
@@ -240,7 +244,7 @@ def speculative_rejection(
         )
         plan = MemoryPlan(
             budget, prompt_slots, request.max_new_tokens, n, config.rate, config.min_first_segment,
-            row_reserve(sampler, derived(sampler, memory_budget)),
+            row_reserve(sampler, derived(sampler, memory_budget)), align,
         )  # fmt: skip
         searches.append(PromptSearch(sampler, reward, request, i, Rejection(config, plan)))
     with sampler.on_mesh():
