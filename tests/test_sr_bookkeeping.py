@@ -159,7 +159,7 @@ def test_the_plan_forces_a_rejection_only_where_the_memory_cannot_hold_the_kept_
         [16, 64], [144, 528, 1000, 1040, 4112], [40, 128, 256], [0, 4], [8, 16], [1, 16]
     ):
         try:
-            plan = MemoryPlan(budget, prompt, max_new, None, rate, segment, headroom, align)
+            plan = MemoryPlan(budget, prompt, max_new, None, rate, segment, headroom=headroom, align=align)
         except ValueError:
             continue
         for overshoot in {0, max(headroom - 1, 0)}:
@@ -178,8 +178,8 @@ def test_the_plan_forces_a_rejection_only_where_the_memory_cannot_hold_the_kept_
 
 def test_on_a_tpu_rungs_are_whole_tiles_where_that_stops_no_row(monkeypatch):
     """Keys stored as values (a TPU, float heads of 128 or more) align every rung to 16 slots: the
-    first rung always, a later one where its rows still hold what the rows above bring; elsewhere (CPU,
-    int8 keys, narrower heads) every rung is as wide as before."""
+    first rung where it holds 16 or more, a later one where its rows still hold what the rows above
+    bring; elsewhere (CPU, int8 keys, narrower heads) every rung is as wide as before."""
     import contextlib
     import types
 
@@ -187,10 +187,10 @@ def test_on_a_tpu_rungs_are_whole_tiles_where_that_stops_no_row(monkeypatch):
 
     from jaxsr.search.memory import rung_align
 
-    def sampler(head_dim: int, kv_dtype: str | None = None):
+    def sampler(head_dim: int, kv_dtype: str | None = None, headroom: int = 0):
         config = types.SimpleNamespace(head_dim=head_dim, quantized_kv=kv_dtype == "int8")
         return types.SimpleNamespace(
-            models=[types.SimpleNamespace(config=config)], on_mesh=contextlib.nullcontext
+            models=[types.SimpleNamespace(config=config)], on_mesh=contextlib.nullcontext, headroom=headroom
         )
 
     assert rung_align(sampler(128)) == 1  # CPU
@@ -201,9 +201,11 @@ def test_on_a_tpu_rungs_are_whole_tiles_where_that_stops_no_row(monkeypatch):
         1,
     ]
     assert rung_align(sampler(64)) == 1
+    # a draft's look-ahead (γ+1 slots) keeps a cache off the tiles whatever its segment
+    assert [rung_align(sampler(128, headroom=5)), rung_align(sampler(128, headroom=16))] == [1, 16]
 
     def capacities(budget: int, rate: float, segment: int, align: int) -> list[int]:
-        plan = MemoryPlan(128 + budget, 128, 512, None, rate, segment, 0, align)
+        plan = MemoryPlan(128 + budget, 128, 512, None, rate, segment, align=align)
         return [plan.capacity(rows) for rows in plan.ladder]
 
     assert capacities(1536, 0.75, 8, 1) == capacities(1536, 0.75, 8, 16) == [8, 32, 128, 512, 512]

@@ -359,7 +359,7 @@ def save_model(model: Model, directory: str | Path, *, pad_token_id: int | None 
 
 
 def _checked_save(model: Model, directory: str | Path, pad_token_id: int | None) -> tuple[Path, int | None]:
-    """`save_model`'s arguments checked: the directory as a path to write, the pad id as an int."""
+    """`save_model`'s arguments checked: the directory as a path to write, the pad id as an int or None."""
     if not isinstance(model, Model):
         raise TypeError(f"model: expected a jaxsr.Model, got {type(model).__name__}")
     if model.config.quantized_weights:

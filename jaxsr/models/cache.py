@@ -7,8 +7,9 @@ Each layer has its own arrays (a tuple over layers), so a decode step reads and 
 Values are stored as [rows, kv_heads, slots, head_dim]; keys as the devices decode fastest
 (`key_slot_axis`): transposed, [rows, kv_heads, head_dim, slots], on CPUs and GPUs, so that both
 attention products are plain batched matmuls over (row, head) with no transpose of the cache in the
-decode step; as the values on a TPU for heads of 128 or more, whose layouts put head_dim minor and
-would copy transposed keys into another layout and back each step to write a row's new key.
+decode step; as the values on a TPU for float heads of 128 or more (int8 keys stay transposed), whose
+layouts put head_dim minor and would copy transposed keys into another layout and back each step to
+write a row's new key.
 
 An int8 cache (`DecoderConfig.kv_dtype`) stores keys and values as int8 beside float32 scales
 [rows, kv_heads, slots] (`k_scale`, `v_scale`; empty tuples in a float cache): the key (value) of a token

@@ -268,7 +268,7 @@ def first_rung(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: i
         budget = mesh_budget(budget // copies, prompt_slots, row, data_shards(sampler.mesh))
     memory = MemoryPlan(
         budget, prompt_slots, config.max_new_tokens, config.n, config.rejection_rate,
-        config.min_first_segment, reserve, rung_align(sampler),
+        config.min_first_segment, headroom=reserve, align=rung_align(sampler),
     )  # fmt: skip
     first, *later = memory.ladder
     rows, new = padded_rows(first, sampler.mesh), config.max_new_tokens

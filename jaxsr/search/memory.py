@@ -41,12 +41,17 @@ def mesh_budget(per_device: int, prompt_slots: int, row: int, shards: int) -> in
 
 
 def rung_align(sampler: Sampler) -> int:
-    """Slots every rung's row cache is a whole multiple of: `TPU_SLOT_ALIGN` where the sampler's
-    devices store keys as values (`key_slot_axis`: a TPU, float heads of 128 or more), else 1. XLA:TPU
-    scatters a row's new key and value into [rows, heads, slots, head_dim] in place only when the
-    slots fill whole tiles; else it copied the whole cache into [rows × slots × heads, head_dim] and
-    back each step (the Gemma-2-9B SR job cut to 2 layers on a v5p-8: its second rung moved 156.2 GiB
-    a step at 219 slots, 65.0 at 208)."""
+    """Slots a rung's segment is rounded down to a multiple of (`MemoryPlan`): `TPU_SLOT_ALIGN` where
+    the sampler's devices store keys as values (`key_slot_axis`: a TPU, float heads of 128 or more)
+    and its look-ahead is whole tiles too (plain sampling has none), else 1. XLA:TPU scatters a row's
+    new key and value into [rows, heads, slots, head_dim] in place only when the row cache's slots
+    (segment + look-ahead) fill whole tiles; else it copies the whole cache into
+    [rows × slots × heads, head_dim] and back each step (the Gemma-2-9B SR job cut to 2 layers on a
+    v5p-8: its second rung moved 156.2 GiB a step at 219 slots, 65.0 at 208). A draft's γ+1 slots of
+    look-ahead leave the caches off the tiles whatever the segment, so there rounding would only cost
+    slots."""
+    if sampler.headroom % TPU_SLOT_ALIGN:
+        return 1
     with sampler.on_mesh():
         as_values = any(key_slot_axis(m.config.head_dim, m.config.quantized_kv) == 2 for m in sampler.models)
     return TPU_SLOT_ALIGN if as_values else 1
@@ -65,8 +70,9 @@ def batch_ladder(first: int, rejection_rate: float) -> list[int]:
 class MemoryPlan:
     """Memory plan for one prompt's Speculative Rejection: first batch, ladder, and each rung's
     row-cache length. A row of a rung takes `capacity(rows)` slots for its segment plus `headroom`
-    slots (`row_reserve`: look-ahead, and working memory where the budget is the device's); every
-    rung's capacity is a multiple of `align` (`rung_align`), the first rung's of SLOT_ALIGN too."""
+    slots (`row_reserve`: look-ahead, and working memory where the budget is the device's); a rung's
+    capacity is rounded down to a multiple of `align` (`rung_align`) where that cuts no row short, the
+    first rung's to SLOT_ALIGN too (`capacity`)."""
 
     def __init__(
         self,
@@ -76,6 +82,7 @@ class MemoryPlan:
         n: int | None,
         rate: float,
         min_segment: int,
+        *,
         headroom: int = 0,
         align: int = 1,
     ):
@@ -83,7 +90,7 @@ class MemoryPlan:
         self.max_new_tokens, self.max_slots = max_new_tokens, bucket(max_new_tokens)
         room = budget - prompt_slots
         # the first segment is a whole multiple of its alignment (see `capacity`): round the minimum up
-        first_align = max(SLOT_ALIGN, align)
+        self.first_align = first_align = max(SLOT_ALIGN, align)
         if min_segment > first_align:
             min_segment = min(-(-min_segment // first_align) * first_align, max(self.max_slots, first_align))
         per_row = min_segment + headroom
@@ -118,7 +125,7 @@ class MemoryPlan:
         for rows in self.ladder:
             room = (self.budget - self.prompt_slots) // rows - self.headroom
             if above is None:
-                align = max(SLOT_ALIGN, self.align)
+                align = self.first_align
                 room = room // align * align if room >= align else room
             else:
                 aligned = room // self.align * self.align

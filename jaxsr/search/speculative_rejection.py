@@ -244,7 +244,7 @@ def speculative_rejection(
         )
         plan = MemoryPlan(
             budget, prompt_slots, request.max_new_tokens, n, config.rate, config.min_first_segment,
-            row_reserve(sampler, derived(sampler, memory_budget)), align,
+            headroom=row_reserve(sampler, derived(sampler, memory_budget)), align=align,
         )  # fmt: skip
         searches.append(PromptSearch(sampler, reward, request, i, Rejection(config, plan)))
     with sampler.on_mesh():
