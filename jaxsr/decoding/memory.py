@@ -163,7 +163,10 @@ def rows_within(slots: int, prompt_slots: int, per_row: int, n: int, shards: int
     divide over them); the rows split over the shards, mesh padding counted."""
     room = slots - prompt_slots
     if room < per_row:
-        raise ValueError(f"memory_budget: {slots} KV slots cannot hold one row ({prompt_slots + per_row})")
+        raise ValueError(
+            f"memory_budget: {slots} KV slots (given, or the devices' free memory where it is None) "
+            f"cannot hold one row ({prompt_slots + per_row})"
+        )
     max_rows = 1 << (room // per_row * shards).bit_length() - 1
     samples = min(n, max_rows)
     fits = lambda prompts: prompts * prompt_slots + shard_rows(prompts, samples, shards) * per_row <= slots

@@ -21,8 +21,8 @@ from jaxsr.plans.abstract import abstract_model, bytes_per_device
 from jaxsr.plans.compiled import Batch, Plan, Program, plan_batch, plan_scores
 from jaxsr.plans.sources import hf_config_of
 from jaxsr.plans.targets import GIB, Target, target_mesh
-from jaxsr.search.memory import MemoryPlan, mesh_budget, rung_align
-from jaxsr.sharding import data_shards, padded_rows
+from jaxsr.search.memory import MemoryPlan, device_share, rung_align
+from jaxsr.sharding import padded_rows
 
 BUILT_IN_REWARDS = ("self_likelihood", "neg_perplexity", "self_certainty", "minilm")
 """Rewards without a reward model of their own to plan (minilm's encoder is small and not planned;
@@ -260,12 +260,11 @@ def job_batch(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: in
 
 def first_rung(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: int) -> Batch:
     """Speculative Rejection's first rows of `concurrent_prompts` searches in one batch, each within
-    its share of `budget` (`prompt_budget`: a derived budget counts every `data` shard), with the
+    its share of `budget` (`device_share`: a derived budget counts every `data` shard), with the
     later rungs' shapes (`Batch.rungs`, each once)."""
     reserve, copies = row_reserve(sampler, config.memory_budget is None), config.concurrent_prompts
     if config.memory_budget is None:
-        row = bucket(config.max_new_tokens) + reserve
-        budget = mesh_budget(budget // copies, prompt_slots, row, data_shards(sampler.mesh))
+        budget = device_share(sampler, budget, prompt_slots, config.max_new_tokens, copies)
     memory = MemoryPlan(
         budget, prompt_slots, config.max_new_tokens, config.n, config.rejection_rate,
         config.min_first_segment, headroom=reserve, align=rung_align(sampler),

@@ -22,13 +22,20 @@ def prompt_budget(
     """One prompt's search budget in slots of all of the sampler's caches, `copies` prompts in flight:
     `memory_budget` as given; or (on CPU) n full rows; or derived from the fullest device's free
     memory, shared by the prompts in flight and counting every `data` shard (`mesh_budget`)."""
-    mesh = sampler.mesh
     fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
-    budget = budget_slots(memory_budget, sampler.slot_bytes, fallback, mesh, copies=copies)
+    budget = budget_slots(memory_budget, sampler.slot_bytes, fallback, sampler.mesh, copies=copies)
     if derived(sampler, memory_budget):
-        row = bucket(max_new_tokens) + row_reserve(sampler, True)
-        budget = mesh_budget(budget // copies, prompt_slots, row, data_shards(mesh))
+        return device_share(sampler, budget, prompt_slots, max_new_tokens, copies)
     return budget
+
+
+def device_share(
+    sampler: Sampler, per_device: int, prompt_slots: int, max_new_tokens: int, copies: int
+) -> int:
+    """One of `copies` prompts' search budget within `per_device` slots of each device's memory, over
+    every `data` shard (`mesh_budget`; rows reserve the decode step's working memory too)."""
+    row = bucket(max_new_tokens) + row_reserve(sampler, True)
+    return mesh_budget(per_device // copies, prompt_slots, row, data_shards(sampler.mesh))
 
 
 def mesh_budget(per_device: int, prompt_slots: int, row: int, shards: int) -> int:
@@ -96,7 +103,8 @@ class MemoryPlan:
         per_row = min_segment + headroom
         if room < per_row:
             raise ValueError(
-                f"memory_budget: {budget} KV slots cannot hold one row (prompt {prompt_slots} + "
+                f"memory_budget: {budget} KV slots (given, or the devices' free memory where it is None) "
+                f"cannot hold one row (prompt {prompt_slots} + "
                 f"first segment {min_segment} + {headroom} reserved: look-ahead, and working memory where "
                 "the budget is the device's)"
             )
