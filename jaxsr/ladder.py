@@ -13,6 +13,11 @@ def bucket(n: int, minimum: int = 16, cap: int | None = None) -> int:
     return rung if cap is None else min(cap, rung)
 
 
+def round_up(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple`."""
+    return -(-n // multiple) * multiple
+
+
 def fine_bucket(n: int, minimum: int = 1, cap: int | None = None) -> int:
     """The rung for size `n` on a ladder of two rungs per octave (1, 2, 3, 4, 6, 8, 12, 16, 24, …: powers
     of two and 1.5 times them), at least `minimum`, at most `cap`: at most a third of a padded batch is

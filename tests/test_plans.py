@@ -22,6 +22,7 @@ from jaxsr.decoding import loop, memory
 from jaxsr.decoding.driver import as_sampler
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.jobs.config import JobConfig, load_job_config
+from jaxsr.jobs.methods import DECODER_BUILDERS
 from jaxsr.ladder import bucket
 from jaxsr.loading.hf_config import decoder_config_from_hf
 from jaxsr.plans import (
@@ -379,10 +380,10 @@ def test_a_tpu_token_loop_writes_its_row_caches_in_place():
     (`cache.key_slot_axis`), so a step writes each row's new key and value in place: its loop copies no
     array as large as one layer's row keys. Stored transposed, XLA:TPU copied every layer's keys and
     values into another layout and back each step (4 copies a layer). In place only where the slots
-    fill whole 16-slot tiles: a later rung of 219 slots copies its caches, one of 208 does not
-    (`memory.rung_align` rounds a TPU's rungs so)."""
+    fill whole 8-slot tiles: a later rung of 219 slots copies its caches, one of 216 does not
+    (`cache.slot_tile`: `MemoryPlan` plans a TPU's rungs so)."""
     model = abstract_model(LLAMA_31_8B_2_LAYERS, target_mesh(V5E_8, data=8, model=1))
-    rungs = ((16, 219), (8, 208))  # rows a prompt, slots: 16 and 8 rows a device
+    rungs = ((16, 219), (8, 216))  # rows a prompt, slots: 16 and 8 rows a device
     plan = plan_batch(
         model, V5E_8, dataclasses.replace(BATCH, prompts=8, rows=64, max_new_tokens=256, rungs=rungs)
     )
@@ -396,7 +397,27 @@ def test_a_tpu_token_loop_writes_its_row_caches_in_place():
         keys = rows * heads * slots * head_dim * 2  # bf16
         return any(hlo.type_bytes(shape) >= keys for shape in plan.program(name).step_copied)
 
-    assert copies_its_keys("decode_loop_rung2", 16, 219) and not copies_its_keys("decode_loop_rung3", 8, 208)
+    assert copies_its_keys("decode_loop_rung2", 16, 219) and not copies_its_keys("decode_loop_rung3", 8, 216)
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_a_speculative_tpu_token_loop_has_row_caches_of_whole_tiles_and_writes_them_in_place():
+    """A draft's look-ahead (γ+1 = 5 slots) would leave 256-token rows' caches at 261 slots, off the
+    TPU's tiles, so every step would copy them (as a rung of 208 + 5 slots does): `Sampler.cache_slots`
+    rounds a full row's cache up to 264, which the step writes in place."""
+    mesh = target_mesh(V5E_8, data=8, model=1)
+    model = abstract_model(LLAMA_31_8B_2_LAYERS, mesh)
+    draft = {**LLAMA_31_8B_2_LAYERS, "num_hidden_layers": 1, "hidden_size": 1024, "num_attention_heads": 8}
+    sampler = as_sampler(DECODER_BUILDERS["speculative"](model, abstract_model(draft, mesh), gamma=4), None)
+    assert (sampler.headroom, sampler.slot_tile, sampler.cache_slots(256)) == (5, 8, 264)
+    batch = dataclasses.replace(BATCH, prompts=8, rows=64, max_new_tokens=256, rungs=((8, 208),))
+    plan = plan_batch(sampler, V5E_8, batch)
+
+    def copies_its_cache(name: str, slots: int) -> bool:  # a device's 8 rows of target keys or values
+        return f"bf16[8,8,{slots},128]" in plan.program(name).step_copied
+
+    assert not copies_its_cache("decode_loop", 264) and copies_its_cache("decode_loop_rung2", 213)
 
 
 @needs_libtpu
@@ -528,7 +549,7 @@ def test_shipped_configs_are_the_hub_models_and_plan_offline(monkeypatch):
 
 
 def test_best_of_n_rows_of_a_plan_are_the_searchs_own():
-    sampler = types.SimpleNamespace(slot_bytes=1000, headroom=0, mesh=None)
+    sampler = types.SimpleNamespace(slot_bytes=1000, headroom=0, mesh=None, cache_slots=lambda tokens: tokens)
     # (slots, n, prompt, new tokens, rows): n samples in chunks; sixteen prompts of 8 each; one prompt
     for slots, n, prompt, new, rows in [
         (4096, 16, 128, 256, 8),

@@ -14,7 +14,7 @@ import jaxsr
 from jaxsr.ladder import bucket
 from jaxsr.results import Sample
 from jaxsr.rewards import SelfLikelihood
-from jaxsr.search.memory import MemoryPlan
+from jaxsr.search.memory import MemoryPlan, RowLayout
 from jaxsr.search.speculative_rejection import Book, decide
 
 
@@ -152,69 +152,73 @@ def test_the_plan_forces_a_rejection_only_where_the_memory_cannot_hold_the_kept_
     """The next rung is exactly the rule's keep count whenever the memory can hold those rows at the
     tokens already generated; otherwise fewer rows continue (a forced rejection). That happens with
     short first segments, long look-ahead overshoots or the last few rows, never at a Best-of-N budget
-    with the default 16-token first segment. Rungs aligned to a TPU's tiles (`align=16`) force no more,
-    except where a decision keeps every row of its rung: those rows then stop growing within one tile
-    of where the memory would stop them."""
-    for prompt, budget, max_new, headroom, segment, align in itertools.product(
-        [16, 64], [144, 528, 1000, 1040, 4112], [40, 128, 256], [0, 4], [8, 16], [1, 16]
+    with the default 16-token first segment. Rungs rounded down (the first to SLOT_ALIGN, every one's
+    cache, look-ahead included, to a TPU's tiles: `align=8`) force no more, except where a decision
+    keeps every row of its rung: those rows then stop growing within one tile of where the memory
+    would stop them."""
+    rows_of = [(0, 0), (4, 0), (5, 5), (9, 5)]  # (headroom, look-ahead): working memory, a draft's γ+1
+    for prompt, budget, max_new, (headroom, lookahead), segment, align in itertools.product(
+        [16, 64], [144, 528, 1000, 1040, 4112], [40, 128, 256], rows_of, [8, 16], [1, 8]
     ):
         try:
-            plan = MemoryPlan(budget, prompt, max_new, None, rate, segment, headroom=headroom, align=align)
+            rows = RowLayout(headroom, lookahead, align)
+            plan = MemoryPlan(budget, prompt, max_new, None, rate, segment, rows)
         except ValueError:
             continue
+        assert plan.capacity(plan.ladder[0]) >= segment
+        above = None
+        for rows in plan.ladder:  # a rung's cache is whole tiles unless that would cut arriving rows
+            cache = plan.capacity(rows) + lookahead
+            whole = cache // align * align
+            assert cache == whole or (above is not None and whole - lookahead < above + 1 + headroom)
+            above = plan.capacity(rows)
         for overshoot in {0, max(headroom - 1, 0)}:
             for fits, keep, rung, rows in no_eos_decisions(
                 plan, budget - prompt, max_new, rate, min_keep, overshoot
             ):
                 assert rung is None or (rung <= keep if fits else rung < keep)
-                if fits and rung != keep:  # a tile's slots the aligned rung gave up
+                if fits and rung != keep:  # the slots a rung rounded down gave up
                     room_a_row = (budget - prompt) // keep - headroom
-                    assert align > 1 and keep == rows and room_a_row - plan.capacity(rows) < align
+                    tile = plan.first_align if rows == plan.ladder[0] else align
+                    assert keep == rows and room_a_row - plan.capacity(rows) < tile
     for max_new, n in itertools.product([32, 40, 128, 256, 512], [4, 8, 16]):
         budget = 16 + n * bucket(max_new)
         plan = MemoryPlan(budget, 16, max_new, None, rate, 16)
         assert all(fits for fits, *_ in no_eos_decisions(plan, budget - 16, max_new, rate, min_keep, 0))
 
 
-def test_on_a_tpu_rungs_are_whole_tiles_where_that_stops_no_row(monkeypatch):
-    """Keys stored as values (a TPU, float heads of 128 or more) align every rung to 16 slots: the
-    first rung where it holds 16 or more, a later one where its rows still hold what the rows above
-    bring; elsewhere (CPU, int8 keys, narrower heads) every rung is as wide as before."""
-    import contextlib
+def test_on_a_tpu_row_caches_are_whole_tiles_where_that_stops_no_row():
+    """Keys stored as values (a TPU, float heads of 128 or more) want row caches of whole 8-slot tiles:
+    a full row's cache is rounded up to them (`Sampler.cache_slots`), and a search's rungs are planned
+    in them, look-ahead included: the first rung's always, a later one's where its rows still hold what
+    the rows above bring; elsewhere (CPU, GPU, int8 keys, narrower heads) every cache is as before."""
     import types
 
-    import jax
+    from jaxsr.decoding.driver import Sampler
+    from jaxsr.models.cache import slot_tile
 
-    from jaxsr.search.memory import rung_align
+    tiles = [slot_tile(128, False, "tpu"), slot_tile(256, False, "tpu"), slot_tile(128, True, "tpu")]
+    assert tiles == [8, 8, 1]
+    assert slot_tile(64, False, "tpu") == slot_tile(128, False, "cpu") == slot_tile(128, False, "gpu") == 1
+    draft = types.SimpleNamespace(slot_tile=8, headroom=5)  # γ=4 on a TPU
+    assert [Sampler.cache_slots(draft, tokens) for tokens in (8, 11, 12, 512)] == [16, 16, 24, 520]
+    assert Sampler.cache_slots(types.SimpleNamespace(slot_tile=1, headroom=5), 512) == 517
 
-    def sampler(head_dim: int, kv_dtype: str | None = None, headroom: int = 0):
-        config = types.SimpleNamespace(head_dim=head_dim, quantized_kv=kv_dtype == "int8")
-        return types.SimpleNamespace(
-            models=[types.SimpleNamespace(config=config)], on_mesh=contextlib.nullcontext, headroom=headroom
-        )
-
-    assert rung_align(sampler(128)) == 1  # CPU
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert [rung_align(sampler(128)), rung_align(sampler(256)), rung_align(sampler(128, "int8"))] == [
-        16,
-        16,
-        1,
-    ]
-    assert rung_align(sampler(64)) == 1
-    # a draft's look-ahead (γ+1 slots) keeps a cache off the tiles whatever its segment
-    assert [rung_align(sampler(128, headroom=5)), rung_align(sampler(128, headroom=16))] == [1, 16]
-
-    def capacities(budget: int, rate: float, segment: int, align: int) -> list[int]:
-        plan = MemoryPlan(128 + budget, 128, 512, None, rate, segment, align=align)
+    def capacities(budget: int, rate: float, segment: int, align: int, lookahead: int = 0) -> list[int]:
+        plan = MemoryPlan(128 + budget, 128, 512, None, rate, segment, RowLayout(lookahead, lookahead, align))
         return [plan.capacity(rows) for rows in plan.ladder]
 
-    assert capacities(1536, 0.75, 8, 1) == capacities(1536, 0.75, 8, 16) == [8, 32, 128, 512, 512]
+    assert capacities(1536, 0.75, 8, 1) == capacities(1536, 0.75, 8, 8) == [8, 32, 128, 512, 512]
     assert capacities(1000, 0.75, 8, 1) == [8, 32, 125, 500, 512]  # rows 125, 31, 8, 2, 1
-    assert capacities(1000, 0.75, 8, 16) == [8, 32, 112, 496, 512]
+    assert capacities(1000, 0.75, 8, 8) == [8, 32, 120, 496, 512]
+    # a draft's look-ahead (5 slots): the caches, not the segments, are whole tiles (11 + 5 = 16; the
+    # last rung's 515 + 5 holds 512 tokens); the first at least one tile, so 62 rows instead of 76
+    assert capacities(1000, 0.75, 8, 1, lookahead=5) == [8, 47, 195, 512]  # rows 76, 19, 5, 1
+    assert capacities(1000, 0.75, 8, 8, lookahead=5) == [11, 51, 243, 515]  # rows 62, 16, 4, 1
     # α=0.1 from 16 slots: rungs a few slots apart keep every slot (a row arrives with one more token
     # than the rung above holds), until a whole tile also holds that
     assert capacities(684, 0.1, 16, 1)[:8] == [16, 18, 20, 22, 24, 27, 31, 34]
-    assert capacities(684, 0.1, 16, 16)[:8] == [16, 18, 20, 22, 24, 27, 31, 32]
+    assert capacities(684, 0.1, 16, 8)[:8] == [16, 18, 20, 22, 24, 27, 31, 32]
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.7, 0.9])

@@ -137,7 +137,7 @@ def decode_request(
     mesh = sampler.mesh
     check_rows_fit(  # a lower bound on one batch's row caches (as `decode` sizes them; prompts aside)
         "max_rows",
-        min(max_rows, rows) * (bucket(request.max_new_tokens) + sampler.headroom) * sampler.slot_bytes,
+        min(max_rows, rows) * sampler.cache_slots(bucket(request.max_new_tokens)) * sampler.slot_bytes,
         local_devices_of(mesh),
         "give a smaller max_rows",
     )

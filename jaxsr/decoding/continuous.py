@@ -327,7 +327,7 @@ class Slab:
 
     def _stats(self, i: int, ledger: Ledger) -> dict[str, Any]:
         shape, sampler = self.shape, self.sampler
-        row_slots = shape.slots * shape.rows * (bucket(self.request.max_new_tokens) + sampler.headroom)
+        row_slots = shape.slots * shape.rows * sampler.cache_slots(bucket(self.request.max_new_tokens))
         return {
             **ledger.timings,
             "token_forwards": {role: int(n) for role, n in zip(sampler.roles, ledger.forwards, strict=True)},

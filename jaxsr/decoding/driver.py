@@ -28,7 +28,8 @@ from jaxsr.decoding.inputs import Request, check_language_model, check_sampling
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.decoding.state import DecodeState, compact, response, stop_token
 from jaxsr.decoding.steps import Controls, Method, PlainSampling
-from jaxsr.ladder import bucket
+from jaxsr.ladder import bucket, round_up
+from jaxsr.models.cache import slot_tile
 from jaxsr.models.model import Model
 from jaxsr.results import Sample
 from jaxsr.sharding import data_shards, mesh_of, on_mesh, padded_rows
@@ -76,6 +77,18 @@ class Sampler:
     @property
     def headroom(self) -> int:
         return self.method.headroom
+
+    @property
+    def slot_tile(self) -> int:
+        """Slots its row caches are rounded up to a multiple of (`cache.slot_tile`: a TPU's tile where it
+        stores keys as values, else 1)."""
+        platform = jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform
+        return max(slot_tile(m.config.head_dim, m.config.quantized_kv, platform) for m in self.models)
+
+    def cache_slots(self, tokens: int) -> int:
+        """Slots of a row cache for `tokens` generated tokens: those, the method's look-ahead headroom,
+        rounded up to whole `slot_tile`s."""
+        return round_up(tokens + self.headroom, self.slot_tile)
 
     @property
     def slot_bytes(self) -> int:
@@ -128,15 +141,15 @@ class Sampler:
         self, prefill: Prefill, layout: Layout, request: Request, segment: int | None = None
     ) -> DecodeState:
         """The rows of `layout` after `prefill`, each with its first token: token buffers for the
-        request's `max_new_tokens` (bucketed), row caches of `segment` slots (default: as many) plus
-        the method's look-ahead headroom."""
+        request's `max_new_tokens` (bucketed), row caches of `segment` slots plus the method's
+        look-ahead headroom (default: as many, in whole tiles: `cache_slots`)."""
         new = layout.new_rows(self.target, request)
         return self.init_state(prefill[:2], new, **self.capacities(request, segment))
 
     def capacities(self, request: Request, segment: int | None = None) -> dict[str, int]:
         """`start`'s token-buffer and row-cache lengths (`loop.init_state`'s static arguments)."""
         capacity = bucket(request.max_new_tokens)
-        cache_capacity = (capacity if segment is None else segment) + self.headroom
+        cache_capacity = self.cache_slots(capacity) if segment is None else segment + self.headroom
         return {"capacity": capacity, "cache_capacity": cache_capacity}
 
     def compiled_loop(self, state: DecodeState, prompts: tuple, slots: bool = False) -> Any:

@@ -90,11 +90,14 @@ def budget_slots(
 
 
 def row_reserve(sampler: Sampler, from_device: bool) -> int:
-    """Slots a row holds beyond its segment: the sampler's look-ahead, and where the budget is the
-    device's own memory (`from_device`) the decode step's working memory per row
-    (`Sampler.row_work_bytes`, in slots) — a budget the user gives counts KV only."""
-    work = -(-sampler.row_work_bytes // sampler.slot_bytes) if from_device else 0
-    return sampler.headroom + work
+    """Slots a row holds beyond its segment: the sampler's look-ahead and `work_slots`."""
+    return sampler.headroom + work_slots(sampler, from_device)
+
+
+def work_slots(sampler: Sampler, from_device: bool) -> int:
+    """Where the budget is the device's own memory (`from_device`), the decode step's working memory
+    per row (`Sampler.row_work_bytes`) in slots; else 0 — a budget the user gives counts KV only."""
+    return -(-sampler.row_work_bytes // sampler.slot_bytes) if from_device else 0
 
 
 def derived(sampler: Sampler, memory_budget: Any) -> bool:
@@ -151,7 +154,7 @@ def budget_rows_in(
 ) -> int:
     """`budget_rows` within `slots` already known (a plan's chip): a budget `from_device` is each
     `data` shard's and counts each row's working memory; a budget given is one pool of KV slots."""
-    per_row = bucket(max_new_tokens) + row_reserve(sampler, from_device)
+    per_row = sampler.cache_slots(bucket(max_new_tokens)) + work_slots(sampler, from_device)
     shards = data_shards(sampler.mesh) if from_device else 1
     return rows_within(slots, prompt_slots, per_row, n, shards)
 

@@ -31,6 +31,7 @@ Layers = tuple[jax.Array, ...]
 KV_AXES = ("batch", "kv_heads", None, None)
 SCALE_AXES = ("batch", "kv_heads", None)
 INT8_MAX = 127
+TPU_SLOT_TILE = 8  # a bf16 tile's rows on a TPU: slots of a row cache stored as values (`slot_tile`)
 
 
 class KV(NamedTuple):
@@ -65,7 +66,24 @@ def key_slot_axis(head_dim: int, quantized: bool) -> int:
     for int8 keys (the Gemma-2-9B SR job's first rung on a v5e-8: 58.1 GiB a step, 175.9 as values)."""
     mesh = jax.sharding.get_abstract_mesh()
     platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
-    return 2 if platform == "tpu" and head_dim >= 128 and not quantized else 3
+    return 2 if keys_as_values(head_dim, quantized, platform) else 3
+
+
+def keys_as_values(head_dim: int, quantized: bool, platform: str) -> bool:
+    """Whether keys of `head_dim` (int8 where `quantized`) are stored as values on `platform`'s devices
+    (`key_slot_axis`)."""
+    return platform == "tpu" and head_dim >= 128 and not quantized
+
+
+def slot_tile(head_dim: int, quantized: bool, platform: str) -> int:
+    """Slots a row cache of such keys is best a multiple of (`Sampler.cache_slots`,
+    `search.memory.MemoryPlan`): TPU_SLOT_TILE where `platform` stores keys as values
+    (`key_slot_axis`), else 1. XLA:TPU writes a row's new key and value into a bf16 [rows, kv_heads,
+    slots, head_dim] cache in place only when its slots fill whole (8, 128) tiles; else it lays the
+    caches out with the heads inside and copies every layer's row caches into that layout and back each
+    step (a 2-layer Llama-3.1-8B on a v5e-8: rungs of 213 and 219 slots copy them, 208, 216 and 224
+    do not)."""
+    return TPU_SLOT_TILE if keys_as_values(head_dim, quantized, platform) else 1
 
 
 def cache_layout(k: jax.Array, v: jax.Array, quantized: bool) -> KV:

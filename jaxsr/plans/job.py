@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from jaxsr.checks import is_int
 from jaxsr.decoding.driver import Sampler, as_sampler, batches
-from jaxsr.decoding.memory import DEVICE_HEADROOM, budget_rows_in, parse_bytes, row_reserve
+from jaxsr.decoding.memory import DEVICE_HEADROOM, budget_rows_in, parse_bytes
 from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.jobs.methods import DECODER_BUILDERS
 from jaxsr.ladder import bucket, fine_bucket
@@ -21,7 +21,7 @@ from jaxsr.plans.abstract import abstract_model, bytes_per_device
 from jaxsr.plans.compiled import Batch, Plan, Program, plan_batch, plan_scores
 from jaxsr.plans.sources import hf_config_of
 from jaxsr.plans.targets import GIB, Target, target_mesh
-from jaxsr.search.memory import MemoryPlan, device_share, rung_align
+from jaxsr.search.memory import MemoryPlan, device_share, row_layout
 from jaxsr.sharding import padded_rows
 
 BUILT_IN_REWARDS = ("self_likelihood", "neg_perplexity", "self_certainty", "minilm")
@@ -262,12 +262,12 @@ def first_rung(config: JobConfig, sampler: Sampler, budget: int, prompt_slots: i
     """Speculative Rejection's first rows of `concurrent_prompts` searches in one batch, each within
     its share of `budget` (`device_share`: a derived budget counts every `data` shard), with the
     later rungs' shapes (`Batch.rungs`, each once)."""
-    reserve, copies = row_reserve(sampler, config.memory_budget is None), config.concurrent_prompts
+    copies = config.concurrent_prompts
     if config.memory_budget is None:
         budget = device_share(sampler, budget, prompt_slots, config.max_new_tokens, copies)
     memory = MemoryPlan(
         budget, prompt_slots, config.max_new_tokens, config.n, config.rejection_rate,
-        config.min_first_segment, headroom=reserve, align=rung_align(sampler),
+        config.min_first_segment, row_layout(sampler, config.memory_budget is None),
     )  # fmt: skip
     first, *later = memory.ladder
     rows, new = padded_rows(first, sampler.mesh), config.max_new_tokens

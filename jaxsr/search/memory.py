@@ -4,16 +4,14 @@ and a call's rows within one: `jaxsr.decoding.memory`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxsr.decoding.driver import Sampler
-from jaxsr.decoding.memory import budget_slots, derived, row_reserve
-from jaxsr.ladder import bucket
-from jaxsr.models.cache import key_slot_axis
+from jaxsr.decoding.memory import budget_slots, derived, row_reserve, work_slots
+from jaxsr.ladder import bucket, round_up
 from jaxsr.sharding import data_shards
 
-SLOT_ALIGN = 8  # the first rung's row-cache length is a multiple of this (fewer shapes across budgets)
-TPU_SLOT_ALIGN = 16  # every rung's, where a TPU stores keys as values (a bf16 tile's rows: `rung_align`)
+SLOT_ALIGN = 8  # the first rung's segment is a multiple of this (fewer shapes across budgets)
 
 
 def prompt_budget(
@@ -22,7 +20,7 @@ def prompt_budget(
     """One prompt's search budget in slots of all of the sampler's caches, `copies` prompts in flight:
     `memory_budget` as given; or (on CPU) n full rows; or derived from the fullest device's free
     memory, shared by the prompts in flight and counting every `data` shard (`mesh_budget`)."""
-    fallback = None if n is None else prompt_slots + n * (bucket(max_new_tokens) + sampler.headroom)
+    fallback = None if n is None else prompt_slots + n * sampler.cache_slots(bucket(max_new_tokens))
     budget = budget_slots(memory_budget, sampler.slot_bytes, fallback, sampler.mesh, copies=copies)
     if derived(sampler, memory_budget):
         return device_share(sampler, budget, prompt_slots, max_new_tokens, copies)
@@ -34,7 +32,7 @@ def device_share(
 ) -> int:
     """One of `copies` prompts' search budget within `per_device` slots of each device's memory, over
     every `data` shard (`mesh_budget`; rows reserve the decode step's working memory too)."""
-    row = bucket(max_new_tokens) + row_reserve(sampler, True)
+    row = sampler.cache_slots(bucket(max_new_tokens)) + work_slots(sampler, True)
     return mesh_budget(per_device // copies, prompt_slots, row, data_shards(sampler.mesh))
 
 
@@ -47,21 +45,23 @@ def mesh_budget(per_device: int, prompt_slots: int, row: int, shards: int) -> in
     return max(per_device, prompt_slots + shards * (per_device - prompt_slots - row))
 
 
-def rung_align(sampler: Sampler) -> int:
-    """Slots a rung's segment is rounded down to a multiple of (`MemoryPlan`): `TPU_SLOT_ALIGN` where
-    the sampler's devices store keys as values (`key_slot_axis`: a TPU, float heads of 128 or more)
-    and its look-ahead is whole tiles too (plain sampling has none), else 1. XLA:TPU scatters a row's
-    new key and value into [rows, heads, slots, head_dim] in place only when the row cache's slots
-    (segment + look-ahead) fill whole tiles; else it copies the whole cache into
-    [rows × slots × heads, head_dim] and back each step (the Gemma-2-9B SR job cut to 2 layers on a
-    v5p-8: its second rung moved 156.2 GiB a step at 219 slots, 65.0 at 208). A draft's γ+1 slots of
-    look-ahead leave the caches off the tiles whatever the segment, so there rounding would only cost
-    slots."""
-    if sampler.headroom % TPU_SLOT_ALIGN:
-        return 1
-    with sampler.on_mesh():
-        as_values = any(key_slot_axis(m.config.head_dim, m.config.quantized_kv) == 2 for m in sampler.models)
-    return TPU_SLOT_ALIGN if as_values else 1
+class RowLayout(NamedTuple):
+    """What a row holds beside its segment (`MemoryPlan`): `headroom` slots in all (`row_reserve`),
+    `lookahead` of them in its cache, and the `align` its cache is best a multiple of
+    (`Sampler.slot_tile`)."""
+
+    headroom: int = 0
+    lookahead: int = 0
+    align: int = 1
+
+
+BARE_ROWS = RowLayout()  # nothing beside the segment, no tiles
+
+
+def row_layout(sampler: Sampler, from_device: bool) -> RowLayout:
+    """The `RowLayout` of `sampler`'s rows, working memory counted where the budget is the device's
+    (`from_device`)."""
+    return RowLayout(row_reserve(sampler, from_device), sampler.headroom, sampler.slot_tile)
 
 
 def batch_ladder(first: int, rejection_rate: float) -> list[int]:
@@ -76,10 +76,10 @@ def batch_ladder(first: int, rejection_rate: float) -> list[int]:
 
 class MemoryPlan:
     """Memory plan for one prompt's Speculative Rejection: first batch, ladder, and each rung's
-    row-cache length. A row of a rung takes `capacity(rows)` slots for its segment plus `headroom`
-    slots (`row_reserve`: look-ahead, and working memory where the budget is the device's); a rung's
-    capacity is rounded down to a multiple of `align` (`rung_align`) where that cuts no row short, the
-    first rung's to SLOT_ALIGN too (`capacity`)."""
+    segment (`capacity`). A row of a rung takes its segment plus `rows.headroom` slots (`RowLayout`:
+    look-ahead, and working memory where the budget is the device's). Where row caches are best whole
+    tiles (`rows.align` > 1), each rung's cache, segment + look-ahead, is whole tiles where that cuts
+    no row short; else the first rung's segment is a multiple of SLOT_ALIGN (`capacity`)."""
 
     def __init__(
         self,
@@ -89,17 +89,22 @@ class MemoryPlan:
         n: int | None,
         rate: float,
         min_segment: int,
-        *,
-        headroom: int = 0,
-        align: int = 1,
+        rows: RowLayout = BARE_ROWS,
     ):
+        headroom, align = rows.headroom, rows.align
         self.budget, self.prompt_slots, self.headroom, self.align = budget, prompt_slots, headroom, align
         self.max_new_tokens, self.max_slots = max_new_tokens, bucket(max_new_tokens)
+        # what is aligned: the segment, or where caches are tiled the cache (segment + look-ahead)
+        self.offset = offset = rows.lookahead if align > 1 else 0
+        self.first_align = first_align = max(SLOT_ALIGN, align)
+        # the widest segment a rung needs: max_new_tokens' bucket, its cache rounded up to whole tiles
+        self.top = round_up(self.max_slots + offset, align) - offset
         room = budget - prompt_slots
         # the first segment is a whole multiple of its alignment (see `capacity`): round the minimum up
-        self.first_align = first_align = max(SLOT_ALIGN, align)
-        if min_segment > first_align:
-            min_segment = min(-(-min_segment // first_align) * first_align, max(self.max_slots, first_align))
+        # (a tiled cache, look-ahead included, at least one whole tile)
+        if align > 1 or min_segment > first_align:
+            widest = round_up(self.max_slots + offset, first_align)
+            min_segment = min(round_up(min_segment + offset, first_align), widest) - offset
         per_row = min_segment + headroom
         if room < per_row:
             raise ValueError(
@@ -119,27 +124,28 @@ class MemoryPlan:
 
     def capacity(self, rows: int) -> int:
         """Segment slots per row at the rung of `rows` rows (the headroom comes on top). The first
-        rung's is a multiple of SLOT_ALIGN (fewer compiled shapes across budgets) and of `align`; later
-        rungs take every slot the budget allows, so that rows kept there grow whenever the memory can
-        hold them, rounded down to a multiple of `align` only where that still holds the tokens rows
-        arriving from the rung above can have (a decision that keeps every row of an aligned rung then
-        stops them at most a tile earlier than the memory would)."""
+        rung's segment (its cache, where caches are tiled) is a multiple of SLOT_ALIGN (fewer compiled
+        shapes across budgets) and of `align`; later rungs take every slot the budget allows, so that
+        rows kept there grow whenever the memory can hold them, their caches rounded down to a multiple
+        of `align` only where that still holds the tokens rows arriving from the rung above can have (a
+        decision that keeps every row of an aligned rung then stops them at most a tile earlier than the
+        memory would)."""
         return self._capacities[rows]
 
     def _rung_capacities(self) -> dict[int, int]:
-        """`capacity` of each rung of the ladder, widest first."""
+        """`capacity` of each rung of the ladder, widest first (aligned as `offset` + segment)."""
         capacities: dict[int, int] = {}
         above = None  # the capacity of the rung above
         for rows in self.ladder:
-            room = (self.budget - self.prompt_slots) // rows - self.headroom
+            room = (self.budget - self.prompt_slots) // rows - self.headroom + self.offset
             if above is None:
                 align = self.first_align
                 room = room // align * align if room >= align else room
             else:
                 aligned = room // self.align * self.align
                 # a row arrives with at most the rung above's slots + 1 tokens (+ look-ahead overshoot)
-                room = aligned if aligned >= above + 1 + self.headroom else room
-            above = capacities[rows] = min(self.max_slots, room)
+                room = aligned if aligned - self.offset >= above + 1 + self.headroom else room
+            above = capacities[rows] = min(self.top, room - self.offset)
         return capacities
 
     def next_rung(self, survivors: int, generated: int) -> int | None:

@@ -7,11 +7,11 @@ searches can run at once, their rows decoded together: `jaxsr.search.scheduler`)
 fixed-shape decode state; finished and rejected rows are masked, and at each decision point the
 survivors are gathered into a rung of a static batch ladder B0 > round((1-α)·B0) > … (the rows the
 keep rule leaves when no response has finished; one row less where it would not shrink). A rung's
-row cache takes every slot the budget allows (the first rung's rounded down to a multiple of
-`memory.SLOT_ALIGN`, every rung's to one of a TPU's tile where keys are stored as values:
-`memory.rung_align`; the plan is `memory.MemoryPlan`), so the rows the rule keeps fit the next rung
-and grow there whenever the memory can hold them; each rung is one compiled shape. Survivors are
-never re-prefilled.
+row cache takes every slot the budget allows (the first rung's segment rounded down to a multiple
+of `memory.SLOT_ALIGN`; on a TPU that stores keys as values every rung's cache, look-ahead included,
+to whole tiles: `Sampler.slot_tile`; the plan is `memory.MemoryPlan`), so the rows the rule keeps
+fit the next rung and grow there whenever the memory can hold them; each rung is one compiled shape.
+Survivors are never re-prefilled.
 
 Bookkeeping (the reference implementation's, `decide`; `Rejection` is the search's policy): the
 pool of a decision point is the finished responses kept at the previous one plus every row of this
@@ -33,7 +33,7 @@ the widest rung that can grow (where none can, the search ends on this round's r
 `Result.stats["forced_rejections"]` and each decision's `forced` count them. With no finished
 response and a first segment of at least 16 tokens at a Best-of-N budget this does not happen. On a
 TPU with keys stored as values a rung's cache is whole 16-slot tiles where the rows arriving fit
-(`memory.rung_align`), so a decision that keeps every row of such a rung can force one up to a tile
+(`Sampler.slot_tile`), so a decision that keeps every row of such a rung can force one up to a tile
 sooner than the memory would.
 
 The rows may be decoded by a two-model sampler (`jaxsr.speculative_decoder` etc.): the budget then
@@ -53,14 +53,14 @@ import numpy as np
 from jaxsr.checks import check_callback, check_positive_int, is_int, is_real
 from jaxsr.decoding.driver import Sampler, as_sampler
 from jaxsr.decoding.inputs import Options, prepare
-from jaxsr.decoding.memory import derived, row_reserve
+from jaxsr.decoding.memory import derived
 from jaxsr.decoding.sampling import SamplingConfig
 from jaxsr.ladder import bucket
 from jaxsr.models.model import Model
 from jaxsr.results import Rejected, Result, Sample
 from jaxsr.rewards import as_reward
 from jaxsr.search.candidates import check_reward
-from jaxsr.search.memory import MemoryPlan, prompt_budget, rung_align
+from jaxsr.search.memory import MemoryPlan, prompt_budget, row_layout
 from jaxsr.search.scheduler import Batch, Decision, PromptSearch, run_searches
 
 Rule = Literal["keep_fraction", "quantile"]
@@ -236,16 +236,15 @@ def speculative_rejection(
     check_reward(reward, sampler.target, prompts, request.encoded)
     concurrent_prompts = min(concurrent_prompts, len(request.encoded))  # no more in flight than there are
     # every prompt's plan before any decoding: a prompt that cannot fit its budget is refused up front
-    searches, align = [], rung_align(sampler)
+    searches, rows = [], row_layout(sampler, derived(sampler, memory_budget))
     for i, ids in enumerate(request.encoded):
         prompt_slots = bucket(len(ids), config.min_prompt_bucket)
         budget = prompt_budget(
             sampler, memory_budget, prompt_slots, request.max_new_tokens, n, concurrent_prompts
         )
         plan = MemoryPlan(
-            budget, prompt_slots, request.max_new_tokens, n, config.rate, config.min_first_segment,
-            headroom=row_reserve(sampler, derived(sampler, memory_budget)), align=align,
-        )  # fmt: skip
+            budget, prompt_slots, request.max_new_tokens, n, config.rate, config.min_first_segment, rows
+        )
         searches.append(PromptSearch(sampler, reward, request, i, Rejection(config, plan)))
     with sampler.on_mesh():
         ended = None if on_result is None else lambda search: on_result(search.index, search.result())

@@ -144,7 +144,8 @@ def tree_best_of_n(
     check_reward(reward, sampler.target, prompts, request.encoded)
     new = request.max_new_tokens
     check_responses_fit("n", len(request.encoded) * n, new)
-    shape = TreeShape(n, branch, math.ceil(new / layers), new, bucket(new))
+    segment = sampler.cache_slots(bucket(new)) - sampler.headroom  # whole rows, in whole tiles
+    shape = TreeShape(n, branch, math.ceil(new / layers), new, segment)
     searches = [
         PromptSearch(sampler, reward, request, i, Tree(shape, bucket(len(ids), min_prompt_bucket)))
         for i, ids in enumerate(request.encoded)
