@@ -126,11 +126,7 @@ def plan_job(
             f"{target.chip.usable_bytes / GIB:.2f} GiB a {target.name} program may use; a larger mesh_model "
             "splits them over more chips"
         )
-    prompt_slots = bucket(prompt_tokens)
-    budget = given_slots(config.memory_budget, sampler.slot_bytes)
-    if budget is None:
-        free = target.chip.usable_bytes - resident
-        budget = int(free * DEVICE_HEADROOM) // sampler.slot_bytes
+    prompt_slots, budget = bucket(prompt_tokens), job_budget(config, target, resident, sampler.slot_bytes)
     batch = job_batch(config, sampler, budget, prompt_slots)
     batch, skipped = dominated(batch, sampler.headroom, all_rungs)
     decode = plan_batch(sampler, target, batch)
@@ -139,6 +135,15 @@ def plan_job(
         config, target, dict(mesh.shape), prompt_slots, layers, parameters, budget, decode, program,
         rows, length, skipped,
     )  # fmt: skip
+
+
+def job_budget(config: JobConfig, target: Target, resident: int, slot_bytes: int) -> int:
+    """A device's KV budget in slots of `slot_bytes`: the job's `memory_budget`, or what `resident`
+    parameter bytes leave of one of `target`'s chips (DEVICE_HEADROOM of it)."""
+    budget = given_slots(config.memory_budget, slot_bytes)
+    if budget is None:
+        budget = int((target.chip.usable_bytes - resident) * DEVICE_HEADROOM) // slot_bytes
+    return budget
 
 
 def reward_scoring(

@@ -32,7 +32,7 @@ look-ahead overshoot can leave too little room to grow), the lowest-ranked are a
 the widest rung that can grow (where none can, the search ends on this round's rows):
 `Result.stats["forced_rejections"]` and each decision's `forced` count them. With no finished
 response and a first segment of at least 16 tokens at a Best-of-N budget this does not happen. On a
-TPU with keys stored as values a rung's cache is whole 16-slot tiles where the rows arriving fit
+TPU with keys stored as values a rung's cache is whole 8-slot tiles where the rows arriving fit
 (`Sampler.slot_tile`), so a decision that keeps every row of such a rung can force one up to a tile
 sooner than the memory would.
 
