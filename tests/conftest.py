@@ -7,10 +7,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("JAXSR_CACHE_DIR", "off")  # tests that exercise the parameter cache set their own
 
 import gc
 from pathlib import Path
+
+# Converted parameters, shared by the test workers and every process they start (README blocks,
+# notebooks and CLI runs load SmolLM2's GGUF again and again: 21 s converted, 8 s read back here);
+# tests of the cache itself set their own.
+os.environ.setdefault(
+    "JAXSR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "params")
+)
 
 # XLA's persistent compilation cache, shared by the test workers and every process they start (README
 # blocks, notebooks, the CLI): they compile the same SmolLM2 programs, each for seconds. Programs that
