@@ -161,8 +161,8 @@ def test_the_plan_forces_a_rejection_only_where_the_memory_cannot_hold_the_kept_
         [16, 64], [144, 528, 1000, 1040, 4112], [40, 128, 256], rows_of, [8, 16], [1, 8]
     ):
         try:
-            rows = RowLayout(headroom, lookahead, align)
-            plan = MemoryPlan(budget, prompt, max_new, None, rate, segment, rows)
+            layout = RowLayout(headroom, lookahead, align)
+            plan = MemoryPlan(budget, prompt, max_new, None, rate, segment, layout)
         except ValueError:
             continue
         assert plan.capacity(plan.ladder[0]) >= segment
