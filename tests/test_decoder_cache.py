@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import jaxsr
-from jaxsr.models.cache import PromptCache, RowCache, key_slot_axis, writes_vectors
+from jaxsr.models.cache import PromptCache, RowCache, key_slot_axis
 from jaxsr.models.config import DecoderConfig
 from jaxsr.models.decoder import Decoder
 
@@ -385,10 +385,9 @@ def test_int8_rollback_ignores_stale_slots(kind):
 @pytest.mark.parametrize("kind", ["float", "int8"])
 def test_keys_stored_as_values_decode_as_transposed_keys(monkeypatch, kind):
     """A TPU's cache layout for float heads of 128 or more (`key_slot_axis` 2: keys stored as values
-    are; int8 keys stay transposed) and its writes of each (row, head, slot)'s vector
-    (`writes_vectors`), forced on CPU: its full forward gives the transposed layout's logits, and cached
-    decoding of 1 and 3 tokens a call into row caches whose free slots hold garbage gives the full
-    forward's."""
+    are; int8 keys stay transposed), forced on CPU: its full forward gives the transposed layout's
+    logits, and cached decoding of 1 and 3 tokens a call into row caches whose free slots hold garbage
+    gives the full forward's."""
     cfg = dataclasses.replace(CONFIGS["rope"], head_dim=128)
     cfg = cfg if kind == "float" else _int8(cfg)
     graph, params = _random_module(cfg)
@@ -399,8 +398,6 @@ def test_keys_stored_as_values_decode_as_transposed_keys(monkeypatch, kind):
     try:
         assert key_slot_axis(cfg.head_dim, False) == 2 and key_slot_axis(64, False) == 3
         assert key_slot_axis(cfg.head_dim, True) == 3
-        assert writes_vectors(cfg.head_dim, True) and writes_vectors(64, True)
-        assert writes_vectors(cfg.head_dim, False) and not writes_vectors(64, False)
         _, prompt = _prefill(graph, params, tokens, mask)
         assert (prompt.k[0].shape == prompt.v[0].shape) == (kind == "float")
         np.testing.assert_allclose(_prefill(graph, params, tokens, mask)[0], transposed, atol=TOL, rtol=0)

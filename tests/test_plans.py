@@ -401,19 +401,6 @@ def test_a_tpu_token_loop_writes_its_row_caches_in_place():
 
 
 @needs_libtpu
-def test_a_tpu_token_loop_writes_int8_row_caches_in_place():
-    """An int8 cache's step writes each (row, head, slot)'s key, value and scales as one vector
-    (`cache.writes_vectors`): written as a row's [tokens, heads, head_dim] block, XLA:TPU copied every
-    layer's int8 keys, values and scales into another layout and back each step, whatever the slots."""
-    one_layer = {**LLAMA_31_8B_2_LAYERS, "num_hidden_layers": 1}
-    model = abstract_model(one_layer, target_mesh(V5E_8, data=8, model=1)).with_kv_dtype("int8")
-    batch = dataclasses.replace(BATCH, prompts=8, rows=64, max_new_tokens=256)  # 64 rows a device
-    loop = plan_batch(model, V5E_8, batch).program("decode_loop")
-    caches = {"s8[64,8,128,256]", "s8[64,8,256,128]", "f32[64,8,256]"}  # keys, values, scales
-    assert loop.step_copied is not None and not caches & set(loop.step_copied), loop.step_copied
-
-
-@needs_libtpu
 @pytest.mark.slow
 def test_a_speculative_tpu_token_loop_has_row_caches_of_whole_tiles_and_writes_them_in_place():
     """A draft's look-ahead (γ+1 = 5 slots) would leave 256-token rows' caches at 261 slots, off the

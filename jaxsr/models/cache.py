@@ -64,24 +64,9 @@ def key_slot_axis(head_dim: int, quantized: bool) -> int:
     which XLA:CPU multiplies fastest (keys as values decoded 1.2 times slower on CPU), a TPU lays out
     better for narrower heads (SmolLM2's 64: 45 GiB a step at 512 rows a v5e chip, 73 as values), and
     for int8 keys (the Gemma-2-9B SR job's first rung on a v5e-8: 58.1 GiB a step, 175.9 as values)."""
-    return 2 if keys_as_values(head_dim, quantized, _traced_platform()) else 3
-
-
-def _traced_platform() -> str:
-    """The platform of the devices being traced for: the mesh `jax.set_mesh` gives, else the default
-    backend."""
     mesh = jax.sharding.get_abstract_mesh()
-    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
-
-
-def writes_vectors(head_dim: int, quantized: bool) -> bool:
-    """Whether a step writes each (row, kv head, slot)'s key and value as one vector (`RowCache.write_layer`)
-    for the devices being traced for: on a TPU, for keys stored as values and for int8 caches. A row's
-    [tokens, kv_heads, head_dim] block written whole has XLA:TPU lay the caches out with the heads inside
-    and copy every layer's row caches into that layout and back each step; per vector it writes them in
-    place (int8 caches, 1 layer of Llama-3.1-8B's shape at 256 rows × 512 slots a v5e chip: 5.40 GiB a step
-    with the copies, 4.66 per vector). Elsewhere the block, which XLA:CPU writes fastest."""
-    return _traced_platform() == "tpu" and (quantized or key_slot_axis(head_dim, quantized) == 2)
+    platform = jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+    return 2 if keys_as_values(head_dim, quantized, platform) else 3
 
 
 def keys_as_values(head_dim: int, quantized: bool, platform: str) -> bool:
@@ -243,9 +228,8 @@ class RowCache:
         B, T, K = k.shape[:3]
         slots = self.length[:, None] + jnp.arange(T)[None, :]
         rows = jnp.arange(B)[:, None]
-        if writes_vectors(self.v[0].shape[3], bool(self.k_scale)):  # each (row, head, slot)'s vector
-            at = (rows[:, :, None], jnp.arange(K)[None, None, :], slots[:, :, None])
-            at_key = at if _key_axis(self) == 2 else (*at[:2], slice(None), at[2])
+        if _key_axis(self) == 2:  # keys as values: each (row, head, slot)'s vector
+            at = at_key = (rows[:, :, None], jnp.arange(K)[None, None, :], slots[:, :, None])
         else:  # advanced indices (row, slot) come first in the indexed shape: [B, T, K, D] and [B, T, K]
             at, at_key = (rows, slice(None), slots), (rows, slice(None), slice(None), slots)
         old = self.layer(layer)
