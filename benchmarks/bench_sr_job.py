@@ -194,12 +194,13 @@ RESAMPLES = 10_000
 
 def paired_difference(row: dict, largest: dict, base_best: np.ndarray, base_worst: np.ndarray) -> dict:
     """`row`'s score minus the largest Best-of-N's, prompt by prompt (each prompt's term of
-    `paper_score`), with a 95% bootstrap interval over the prompts (a fixed seed: reruns agree)."""
+    `paper_score`), with a 95% bootstrap interval over the prompts (a fixed seed: reruns agree) and
+    each prompt's term (to pool runs over other prompts)."""
     spread = np.maximum(base_best - base_worst, 1e-9)
     terms = 100 * (np.array(row["best_rewards"]) - np.array(largest["best_rewards"])) / spread
     draws = np.random.default_rng(0).integers(0, len(terms), (RESAMPLES, len(terms)))
     low, high = np.percentile(terms[draws].mean(axis=1), [2.5, 97.5])
-    return {"mean": float(terms.mean()), "ci95": [float(low), float(high)]}
+    return {"mean": float(terms.mean()), "ci95": [float(low), float(high)], "terms": terms.tolist()}
 
 
 def shown(difference: dict) -> str:
