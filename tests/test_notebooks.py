@@ -32,7 +32,7 @@ SHRUNK_CONFIG = {
     ),
 }
 # The wheel test runs the fastest notebook top to bottom as shipped (the install cell is the same in
-# all), in a kernel without jaxsr; the test above runs the others.
+# all), in a kernel without jaxsr; test_notebook_runs_top_to_bottom runs the others.
 FRESH_KERNEL_NOTEBOOK = "best_of_n_vs_speculative_rejection"
 IN_THIS_KERNEL = [path for path in NOTEBOOKS if path.stem != FRESH_KERNEL_NOTEBOOK]
 
