@@ -72,7 +72,7 @@ lock:
 # the package data. build/ goes first, or setuptools would pack files an earlier build left there.
 wheel: setup
 	rm -rf build
-	$(BIN)/pip install -q -c constraints.txt setuptools
+	$(BIN)/pip install -q 'setuptools>=77'  # pip wheel --no-build-isolation builds with it
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
 
 clean:
