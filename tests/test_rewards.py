@@ -1,6 +1,7 @@
 """Rewards: a `*ForSequenceClassification` reward model behind the SmolLM2 chat template (parity with
-torch), embedding similarity with the real all-MiniLM-L6-v2, self-likelihood formulas, and Best-of-N /
-Speculative Rejection driven by the classifier reward end to end."""
+torch), embedding similarity with the real all-MiniLM-L6-v2, self-likelihood formulas, rewards of the
+user's own (checked on stand-ins before any decoding, unable to alter the results they score), and
+Best-of-N / Speculative Rejection driven by the classifier reward end to end."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import dataclasses
 import hf_fixtures as H
 import numpy as np
 import pytest
+import refusals
 import torch
 import transformers
+from refusals import _Returns
 from tolerance import assert_same_sample
 
 import jaxsr
@@ -57,6 +60,8 @@ PROMPT = "How do I bake bread?"
 
 
 # -- fixtures --------------------------------------------------------------------------------------
+
+lm, no_decoding = refusals.lm, refusals.no_decoding  # a tiny model, no prefill allowed
 
 
 @pytest.fixture(scope="module")
@@ -302,6 +307,45 @@ def test_a_plain_function_is_a_reward_and_a_reward_class_missing_an_attribute_is
     counted.name, counted.token_forwards = "mine", 0.5
     with pytest.raises(TypeError, match=r"reward: Unnamed's `token_forwards` must be of type int, got 0.5"):
         as_reward(counted)
+
+
+# -- rewards of the user's own ---------------------------------------------------------------------
+
+
+RETURNED = {
+    "strings": lambda n: ["1.0"] * n,
+    "complex": lambda n: [1j] * n,
+    "dict": lambda n: {"a": 1},
+    "generator": lambda n: (x for x in range(n)),
+    "huge-int": lambda n: [10**400] * n,
+    "masked": lambda n: np.ma.masked_all(n),
+    "nan": lambda n: [float("nan")] * n,
+    "inf": lambda n: [float("inf")] * n,
+    "bools": lambda n: [True] * n,
+    "too-few": lambda n: [1.0] * (n - 1),
+    "2-d": lambda n: [[1.0]] * n,
+    "scalar": lambda n: 1.0,
+}
+
+
+def _raise_key_error(n):
+    raise KeyError("x")
+
+
+@pytest.mark.parametrize("search", ["best_of_n", "speculative_rejection"])
+@pytest.mark.parametrize("value", [*RETURNED.values(), _raise_key_error], ids=[*RETURNED, "raises"])
+def test_a_reward_that_returns_no_real_numbers_is_refused_before_decoding(lm, no_decoding, value, search):
+    """A reward of the user's own scores two stand-in responses first: one that could not rank the
+    searched responses is refused before any decoding, naming it."""
+    with pytest.raises(ValueError, match=r"^reward: fixed (returned|raised KeyError).*stand-in"):
+        getattr(jaxsr, search)(lm, _Returns(value), [[1, 2]], n=2, max_new_tokens=2)
+
+
+def test_a_reward_without_a_callable_score_is_refused(lm):
+    broken = _Returns(None)
+    broken.score = 5
+    with pytest.raises(TypeError, match="reward: _Returns's `score` must be a method"):
+        jaxsr.best_of_n(lm, broken, [[1, 2]], n=2, max_new_tokens=2)
 
 
 # -- EmbeddingSimilarity ---------------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""Bad arguments are refused before any decoding: memory plans that cannot fit, impossible sample
-counts, and — thrown at random by hypothesis — any value of any argument of the public entry points,
-which either works or raises ValueError/TypeError naming an argument (never another exception, a hang
-or a NaN)."""
+"""Arguments of the public entry points, their configs and the models' own calls: NumPy scalars count as
+the Python numbers they hold, bools and non-finite numbers are refused, and edge values (found by
+probing) and random values of any argument (thrown by hypothesis) either work or raise ValueError or
+TypeError naming the argument (never another exception, a hang or a NaN); token ids, attention masks
+and token type ids are checked before they reach a model."""
 
 from __future__ import annotations
 
@@ -11,21 +12,17 @@ import re
 
 import numpy as np
 import pytest
+import refusals
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from refusals import _Returns
 from tiny import tiny_model
 
 import jaxsr
-from jaxsr import checks
 from jaxsr.data import read_prompts
-from jaxsr.decoding.driver import Sampler, as_sampler
-from jaxsr.loading.embedded import smollm2_draft_path
 from jaxsr.rewards import SelfLikelihood
 
-
-@pytest.fixture(scope="module")
-def lm():
-    return tiny_model(seed=0, eos_token_ids=(5,))
+lm = refusals.lm  # the fixture: a tiny random model
 
 
 @pytest.fixture(scope="module")
@@ -33,61 +30,8 @@ def draft():
     return tiny_model(seed=1, eos_token_ids=(5,), num_layers=1)
 
 
-@pytest.fixture
-def no_decoding(monkeypatch):
-    """Any prefill fails the test: the refusals below must come before the first forward pass."""
+# -- random arguments ------------------------------------------------------------------------------
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("decoding started before the arguments were checked")
-
-    monkeypatch.setattr(Sampler, "prefill", refuse)
-
-
-def test_a_budget_the_host_cannot_hold_is_refused_before_decoding(lm, no_decoding, monkeypatch):
-    monkeypatch.setattr(checks, "host_available_bytes", lambda: 2**20)
-    for call in (jaxsr.speculative_rejection, jaxsr.best_of_n):
-        with pytest.raises(ValueError, match=r"memory_budget: '1GiB' needs 1\.00 GiB .* 1\.0 MiB available"):
-            call(lm, SelfLikelihood(), [[1, 2, 3]], n=4, memory_budget="1GiB", max_new_tokens=8)
-
-
-def test_prompts_in_flight_count_against_the_host(lm, no_decoding, monkeypatch):
-    slot = as_sampler(lm, jaxsr.SamplingConfig()).slot_bytes
-    monkeypatch.setattr(checks, "host_available_bytes", lambda: 3 * 1024 * slot)
-    options = dict(n=4, memory_budget=1024, max_new_tokens=8)
-    with pytest.raises(ValueError, match=r"x 4 prompts in flight"):
-        jaxsr.speculative_rejection(lm, SelfLikelihood(), [[1, 2]] * 4, concurrent_prompts=4, **options)
-
-
-def test_every_row_at_once_on_cpu_is_refused_when_it_cannot_fit(lm, no_decoding):
-    """Without a budget, SR on CPU plans all n rows at once: n=10**9 would allocate until killed."""
-    with pytest.raises(ValueError, match=r"memory_budget: every row at once .* give a smaller"):
-        jaxsr.speculative_rejection(lm, SelfLikelihood(), [[1, 2, 3]], n=10**9, max_new_tokens=8)
-
-
-@pytest.mark.parametrize(
-    ("call", "count"),
-    [
-        (lambda lm: jaxsr.generate(lm, [[1, 2]], num_samples=10**12, max_new_tokens=8), "num_samples"),
-        (lambda lm: jaxsr.best_of_n(lm, SelfLikelihood(), [[1, 2]], n=10**12, max_new_tokens=8), "n"),
-    ],
-    ids=["generate", "best_of_n"],
-)
-def test_more_responses_than_the_host_can_hold_are_refused(lm, no_decoding, call, count):
-    with pytest.raises(ValueError, match=rf"^{count}: 1000000000000 responses .* host memory"):
-        call(lm)
-
-
-def test_ten_million_responses_do_not_fit_sixteen_gib(lm, no_decoding, monkeypatch):
-    """The per-response cost is what a `Sample` takes (measured): Best-of-10**7 at 64 tokens needs
-    about 29 GiB of host memory for its results."""
-    monkeypatch.setattr(checks, "host_available_bytes", lambda: 16 * 2**30)
-    with pytest.raises(
-        ValueError, match=r"^n: 10000000 responses of up to 64 tokens need at least 29.17 GiB"
-    ):
-        jaxsr.best_of_n(lm, SelfLikelihood(), [[1, 2]], n=10**7, max_new_tokens=64)
-
-
-# -- random arguments -------------------------------------------------------------------------------
 
 GARBAGE = st.one_of(
     st.none(),
@@ -101,8 +45,11 @@ GARBAGE = st.one_of(
 )
 """Values no argument should accept silently: wrong types, out-of-range and non-finite numbers."""
 
+
 # valid values from small sets, so that the calls that run reuse a few compiled shapes
 PROMPTS = st.sampled_from([[[1, 2, 3]], [[4, 5], [6, 7, 8, 9]], [[0]], [[1, 2]] * 3])
+
+
 VALID = {
     "prompts": PROMPTS,
     "max_new_tokens": st.integers(1, 6),
@@ -128,7 +75,10 @@ VALID = {
     "top_k": st.sampled_from([0, 5, 50]),
     "top_p": st.sampled_from([0.5, 1.0]),
 }
+
+
 SAMPLING = ("temperature", "top_k", "top_p")
+
 
 ENTRY_POINTS = {
     "generate": lambda lm, draft, **kw: jaxsr.generate(lm, **kw),
@@ -205,19 +155,7 @@ def test_random_arguments_work_or_are_refused_by_name(lm, draft, name):
     assert outcomes["ran"] >= 3 and outcomes["refused"] >= 5, outcomes  # both sides were exercised
 
 
-# -- edge values found by probing -------------------------------------------------------------------
-
-
-class _Returns:
-    """A custom reward that returns `value` for any candidates."""
-
-    name, token_forwards = "fixed", 0
-
-    def __init__(self, value):
-        self.value = value
-
-    def score(self, candidates):
-        return self.value(len(candidates)) if callable(self.value) else self.value
+# -- edge values found by probing ------------------------------------------------------------------
 
 
 def _gen(lm, d, prompts=((1,),), **kw):
@@ -279,70 +217,3 @@ def test_edge_values_of_configs_and_loaders_are_refused_by_name(call, error, nam
     with pytest.raises(error) as info:
         call()
     assert str(info.value).startswith(named), str(info.value)
-
-
-RETURNED = {
-    "strings": lambda n: ["1.0"] * n,
-    "complex": lambda n: [1j] * n,
-    "dict": lambda n: {"a": 1},
-    "generator": lambda n: (x for x in range(n)),
-    "huge-int": lambda n: [10**400] * n,
-    "masked": lambda n: np.ma.masked_all(n),
-    "nan": lambda n: [float("nan")] * n,
-    "inf": lambda n: [float("inf")] * n,
-    "bools": lambda n: [True] * n,
-    "too-few": lambda n: [1.0] * (n - 1),
-    "2-d": lambda n: [[1.0]] * n,
-    "scalar": lambda n: 1.0,
-}
-
-
-def _raise_key_error(n):
-    raise KeyError("x")
-
-
-@pytest.mark.parametrize("search", ["best_of_n", "speculative_rejection"])
-@pytest.mark.parametrize("value", [*RETURNED.values(), _raise_key_error], ids=[*RETURNED, "raises"])
-def test_a_reward_that_returns_no_real_numbers_is_refused_before_decoding(lm, no_decoding, value, search):
-    """A reward of the user's own scores two stand-in responses first: one that could not rank the
-    searched responses is refused before any decoding, naming it."""
-    with pytest.raises(ValueError, match=r"^reward: fixed (returned|raised KeyError).*stand-in"):
-        getattr(jaxsr, search)(lm, _Returns(value), [[1, 2]], n=2, max_new_tokens=2)
-
-
-def test_a_reward_without_a_callable_score_is_refused(lm):
-    broken = _Returns(None)
-    broken.score = 5
-    with pytest.raises(TypeError, match="reward: _Returns's `score` must be a method"):
-        jaxsr.best_of_n(lm, broken, [[1, 2]], n=2, max_new_tokens=2)
-
-
-def test_text_that_is_not_unicode_is_named():
-    model = jaxsr.load_model(smollm2_draft_path())
-    with pytest.raises(ValueError, match=r"^prompts\[1\]: not valid Unicode"):
-        jaxsr.generate(model, ["fine", "\ud800 hi"], max_new_tokens=2)
-
-
-def test_a_batch_of_rows_the_host_cannot_hold_is_refused_before_decoding(lm, no_decoding, monkeypatch):
-    monkeypatch.setattr(checks, "host_available_bytes", lambda: 4 * 2**20)  # holds the responses alone
-    with pytest.raises(ValueError, match=r"^max_rows: the KV caches need .* give a smaller max_rows"):
-        jaxsr.generate(lm, [[1, 2]], num_samples=4096, max_rows=4096, max_new_tokens=8)
-    # caches are sized by the bucket of max_new_tokens (16 slots here), not by max_new_tokens itself
-    monkeypatch.setattr(checks, "host_available_bytes", lambda: 4 * 2**20)
-    with pytest.raises(ValueError, match=r"^max_rows: the KV caches need"):
-        jaxsr.generate(lm, [[1, 2]], num_samples=2048, max_rows=2048, max_new_tokens=1)
-
-
-def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(monkeypatch):
-    """30 MB of text would take gigabytes to tokenize only to be refused for its length."""
-    model = jaxsr.load_model(smollm2_draft_path())
-
-    encode = jaxsr.text.encode
-
-    def short_only(tokenizer, text, **kwargs):
-        assert len(text) < 1000, "the long text was tokenized"
-        return encode(tokenizer, text, **kwargs)
-
-    monkeypatch.setattr(jaxsr.text, "encode", short_only)
-    with pytest.raises(ValueError, match=r"^prompts\[1\]: 30000000 characters cannot fit .* context of"):
-        jaxsr.generate(model, ["fine", "x" * 30_000_000], max_new_tokens=2)
