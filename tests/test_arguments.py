@@ -30,6 +30,93 @@ def draft():
     return tiny_model(seed=1, eos_token_ids=(5,), num_layers=1)
 
 
+# -- NumPy scalars, bools and non-finite numbers ---------------------------------------------------
+
+
+def test_sampling_config_takes_numpy_scalars_as_their_python_twins():
+    config = jaxsr.SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(50), top_p=np.float64(0.9))
+    assert config == jaxsr.SamplingConfig(temperature=0.5, top_k=50, top_p=0.9)
+    assert hash(config) == hash(jaxsr.SamplingConfig(temperature=0.5, top_k=50, top_p=0.9))
+    assert type(config.temperature) is float and type(config.top_k) is int and type(config.top_p) is float
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"temperature": np.bool_(True)}, TypeError, "temperature"),
+        ({"temperature": True}, TypeError, "temperature"),
+        ({"top_k": np.bool_(False)}, TypeError, "top_k"),
+        ({"top_k": np.float32(5.0)}, TypeError, "top_k"),
+        ({"top_p": np.float32("nan")}, ValueError, "top_p"),
+        ({"temperature": np.float64("inf")}, ValueError, "temperature"),
+        ({"top_k": np.int64(-1)}, ValueError, "top_k"),
+    ],
+)
+def test_sampling_config_still_refuses_numpy_bools_and_bad_values(kwargs, error, name):
+    with pytest.raises(error, match=name):
+        jaxsr.SamplingConfig(**kwargs)
+
+
+def test_entry_points_take_numpy_numbers_alike(lm):
+    """The numbers of every entry point go through jaxsr.checks: NumPy ints/floats behave as Python's."""
+    sampling = jaxsr.SamplingConfig(temperature=np.float32(1.0), top_k=np.int64(0))
+    plain = jaxsr.generate(
+        lm, [[1, 2, 3]], max_new_tokens=4, num_samples=2, seed=5, sampling=jaxsr.SamplingConfig(top_k=0)
+    )
+    numpy = jaxsr.generate(
+        lm, [[np.int64(1), 2, 3]], max_new_tokens=np.int32(4), num_samples=np.int64(2), seed=np.uint32(5),
+        sampling=sampling, max_rows=np.int64(8), prompt_offset=np.int64(0), stop_token_ids=[np.int64(63)],
+    )  # fmt: skip
+    assert [s.token_ids for s in numpy[0].samples] == [s.token_ids for s in plain[0].samples]
+    reward = SelfLikelihood()
+    bon = jaxsr.best_of_n(
+        lm, reward, [[1, 2]], n=np.int64(2), max_new_tokens=np.int64(4), memory_budget=np.int64(64)
+    )
+    sr = jaxsr.speculative_rejection(
+        lm, reward, [[1, 2]], n=np.int64(2), rejection_rate=np.float32(0.0), max_new_tokens=4,
+        memory_budget=np.int64(64), min_keep=np.int64(1), min_first_segment=np.int64(4),
+        min_prompt_bucket=np.int64(16), concurrent_prompts=np.int64(1),
+    )  # fmt: skip
+    assert [s.token_ids for s in sr[0].samples] == [s.token_ids for s in bon[0].samples]
+    draft = tiny_model(seed=2, eos_token_ids=(63,))
+    jaxsr.speculative_decoder(lm, draft, gamma=np.int64(2))
+    jaxsr.contrastive_decoder(lm, draft, alpha=np.float32(0.1), beta=np.float16(0.5), tau=np.int64(1))
+
+
+@pytest.mark.parametrize("value", [np.bool_(True), True])
+def test_entry_points_refuse_bools_for_numbers(lm, value):
+    with pytest.raises(TypeError, match="num_samples"):
+        jaxsr.generate(lm, [[1, 2]], max_new_tokens=4, num_samples=value)
+    with pytest.raises(TypeError, match="rejection_rate"):
+        jaxsr.speculative_rejection(lm, SelfLikelihood(), [[1]], rejection_rate=value, max_new_tokens=4)
+    with pytest.raises(TypeError, match="memory_budget"):
+        jaxsr.best_of_n(lm, SelfLikelihood(), [[1]], n=2, max_new_tokens=4, memory_budget=value)
+
+
+def test_config_files_take_numpy_numbers_as_python_ones(tmp_path):
+    from jaxsr.training import SFTConfig
+
+    config = SFTConfig(
+        model="smollm2", data=str(tmp_path / "d.jsonl"), output_dir=str(tmp_path / "o"),
+        learning_rate=np.float32(1e-4), seed=np.int64(3),
+    )  # fmt: skip
+    assert type(config.learning_rate) is float and type(config.seed) is int
+    with pytest.raises(ValueError, match="seed"):
+        SFTConfig(model="smollm2", data="d", output_dir="o", seed=np.bool_(True))
+
+
+@pytest.mark.parametrize("field", ["learning_rate", "weight_decay", "max_grad_norm", "threshold"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), np.float32("-inf")])
+def test_config_float_fields_must_be_finite(field, value):
+    from jaxsr.jobs.config import load_job_config
+    from jaxsr.training import SFTConfig
+
+    with pytest.raises(ValueError, match=f"{field}: expected a finite number"):
+        SFTConfig(data="d.jsonl", **{field: value})
+    with pytest.raises(ValueError, match="temperature: expected a finite number"):
+        load_job_config(None, ["temperature=.inf"])
+
+
 # -- random arguments ------------------------------------------------------------------------------
 
 

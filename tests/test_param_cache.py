@@ -1,4 +1,5 @@
-"""The orbax cache of converted parameters: hits, exactness, damaged entries, location, invalidation.
+"""The orbax cache of converted parameters: hits, exactness, damaged entries, location, invalidation
+(an entry never serves a config other than its source's).
 
 Tiny safetensors checkpoints stand in for large ones (the size threshold is lowered to 0); SmolLM2
 covers the GGUF path end to end, tokenizer included. Every test writes under tmp_path only.
@@ -286,3 +287,40 @@ def test_a_meta_file_nested_too_deeply_is_a_damaged_entry(cache_dir, checkpoint,
     with pytest.warns(UserWarning, match="damaged entry"):
         again = jaxsr.load_model(checkpoint)
     assert_same_params(first, again)
+
+
+@pytest.fixture
+def cached_checkpoint(cache_dir, checkpoint) -> Path:
+    """A private tiny llama checkpoint, with the parameter cache on for it (under tmp_path)."""
+    return checkpoint
+
+
+def _rewrite_keeping_size_and_mtime(path, old: str, new: str) -> None:
+    """Edit `path` so that only its content differs: same size, same mtime (as `cp -p` or a fast edit)."""
+    stat, text = path.stat(), path.read_text()
+    assert old in text and len(old) == len(new)
+    path.write_text(text.replace(old, new))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_param_cache_misses_when_config_json_changes_in_content_only(cached_checkpoint):
+    config = cached_checkpoint / "config.json"
+    json_text = config.read_text()
+    old = json.dumps({"rms_norm_eps": json.loads(json_text)["rms_norm_eps"]})[1:-1]
+    assert old in json_text, old
+    first = jaxsr.load_model(cached_checkpoint)
+    _rewrite_keeping_size_and_mtime(config, old, old.replace("1e-05", "3e-05"))
+    second = jaxsr.load_model(cached_checkpoint)
+    assert (first.config.norm_eps, second.config.norm_eps) == (1e-5, 3e-5)
+
+
+def test_param_cache_never_serves_an_edited_entry_config(cached_checkpoint, tmp_path):
+    reference = jaxsr.load_model(cached_checkpoint, cache=False)
+    jaxsr.load_model(cached_checkpoint)
+    (meta,) = (tmp_path / "cache").glob("*/meta.json")
+    record = json.loads(meta.read_text())
+    record["hf_config"]["rope_theta"] = 123.0  # a valid config, just not the source's
+    meta.write_text(json.dumps(record))
+    with pytest.warns(UserWarning, match="rebuilding the parameter cache.*edited"):
+        rebuilt = jaxsr.load_model(cached_checkpoint)
+    assert rebuilt.config == reference.config

@@ -5,10 +5,172 @@ tokenizer that panics, and prompt text that is not Unicode or too long for any t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import jaxsr
+from jaxsr import chat_template, text
 from jaxsr.loading.embedded import smollm2_draft_path
+
+# -- rendered exactly as transformers renders them -------------------------------------------------
+
+
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+    "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}"
+)
+
+
+GEMMA = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'assistant') %}{% set role = "
+    "'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\\n' + "
+    "message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + "
+    "message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + "
+    "eos_token}}{% else %}{{ '<<SYS>>' ~ message['content'] ~ '<</SYS>>' }}{% endif %}{% endfor %}"
+)
+
+
+QWEN = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- for tool in tools %}{{- tool | tojson }}{%- endfor %}"
+    "{%- elif messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+    "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'system' and loop.first %}{% continue %}{% endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+FILTERS = (  # the filters, globals and operators templates use, each within the budget
+    "{% set ns = namespace(n=0, parts=[]) %}{% for m in messages %}{% set ns.n = ns.n + m.content|length %}"
+    "{% set ns.parts = ns.parts + [m.role|upper] %}{% endfor %}{{ ns.n }} {{ ns.parts|join(', ') }}\n"
+    "{{ messages|tojson(indent=2) }}{{ messages[0]|tojson }}{{ dict(a=1, b=[2])|tojson(sort_keys=True) }}\n"
+    "{{ '{:>6}|{}'.format('ab', 7) }} {{ '%5s|%-4d' % ('x', 3) }} {{ 'hi'|center(9) }}{{ 'a\\nb'|indent(3) }}"
+    "{{ 'x' * 3 ~ '-' * 2 }} {{ 2 ** 10 }} {{ 'a b c d'|wordwrap(3) }} {{ 'abcabc'|replace('b', 'BB') }}"
+    "{{ [1, 2, 3]|map('string')|join }} {{ [[1], [2]]|sum(start=[]) }} {{ range(5)|batch(2)|list }}"
+    "{{ bos_token ~ eos_token }}{{ strftime_now('%Y') }}{{ messages|selectattr('role', 'eq', 'user')|list }}"
+    "{% macro turn(m) %}[{{ m.role }}]{{ caller() }}{% endmacro %}{% for m in messages %}{% call turn(m) %}"
+    "{{ m.content|truncate(9) }}{% endcall %}{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}"
+    "{% set block %}{{ messages|length }} turns{% endset %}{{ block|title }}{{ 'ab'.zfill(5) }}"
+)
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2+2?  "},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3 × 3 — ünïcode?"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    """Every tokenizer with a chat template available offline: SmolLM2's (the shipped draft, the GGUF's
+    tokenizer is the same template) and the byte-level test tokenizer's ChatML."""
+    import hf_fixtures as H
+    from transformers import AutoTokenizer
+
+    from jaxsr.loading.embedded import smollm2_draft_path
+
+    return {"smollm2": AutoTokenizer.from_pretrained(str(smollm2_draft_path())), "bytes": H.byte_tokenizer()}
+
+
+@pytest.mark.parametrize("template", [None, LLAMA3, GEMMA, MISTRAL, QWEN, FILTERS])
+@pytest.mark.parametrize("prompt", [True, False])
+def test_chat_templates_render_exactly_as_transformers_renders_them(tokenizers, template, prompt):
+    """Or fail where transformers fails (the byte tokenizer has no bos_token), as a ValueError."""
+
+    for tokenizer in tokenizers.values():
+        original = tokenizer.chat_template
+        tokenizer.chat_template = template or original
+        try:
+            for messages in CONVERSATIONS:
+                try:
+                    expected = tokenizer.apply_chat_template(
+                        messages, tokenize=False, add_generation_prompt=prompt
+                    )
+                except Exception as e:
+                    with pytest.raises(ValueError, match=f"chat template of .*{type(e).__name__}: {e}"):
+                        text.render_chat(tokenizer, messages, add_generation_prompt=prompt)
+                    continue
+                assert text.render_chat(tokenizer, messages, add_generation_prompt=prompt) == expected
+        finally:
+            tokenizer.chat_template = original
+
+
+# -- templates that fail, never end or render too much ---------------------------------------------
+
+
+RUNAWAYS = [
+    "{{ 'x' * 10**10 }}",
+    "{{ ['x'] * 10**10 }}",
+    "{{ 2 ** 10000000000 }}",
+    "{% set ns = namespace(x=3) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "{% set ns = namespace(s=['a']) %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "{{ range(100000)|join('x' * 100000) }}",
+    "{{ 'x'.join(['y' * 100000] * 100000) }}",
+    "{{ 'a'|center(10**10) }}",
+    "{{ 'a'.ljust(10**10) }}",
+    "{{ 'a'.zfill(10**10) }}",
+    "{{ '%0999999999999d' % 1 }}",
+    "{{ '%*d' % (10**10, 1) }}",
+    "{{ '%09999999999d'|format(1) }}",
+    "{{ '{:>9999999999}'.format(1) }}",
+    "{{ '{:>{}}'.format(1, 10**10) }}",
+    "{{ '{a:>9999999999}'.format_map({'a': 1}) }}",
+    "{{ ('a' * 100000)|replace('a', 'b' * 100000) }}",
+    "{{ ('a' * 100000).replace('a', 'b' * 100000) }}",
+    "{{ ('\\t' * 100000).expandtabs(100000) }}",
+    "{{ 'x\\ny'|indent(10**10) }}",
+    "{{ 'a b'|wordwrap(1, wrapstring='x' * 1000000) }}",
+    "{{ [1]|batch(10**10, 0)|list }}",
+    "{{ [1]|slice(10**10)|list }}",
+    "{{ messages|tojson(indent=10**9) }}",
+    "{{ dict.fromkeys(range(100000), 'x' * 100000)|tojson }}",
+    "{{ ([['a'] * 100000] * 100000)|sum(start=[]) }}",
+    "{{ ['a' * 100000] * 100000 }}",
+    "{{ (['a' * 100000] * 100000)|string }}",
+    "{{ ['a' * 100000] * 100000 ~ '' }}",
+    "{{ range(100000)|map('center', 100000)|join }}",
+    "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+    "{% set x %}{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}{% endset %}{{ x }}",
+    "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", RUNAWAYS)
+def test_a_runaway_template_is_refused_quickly_naming_the_tokenizer(tokenizers, template):
+    import resource
+    import time
+
+    tokenizer = tokenizers["smollm2"]
+    original = tokenizer.chat_template
+    tokenizer.chat_template = template
+    started, peak = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        with pytest.raises(
+            ValueError, match=f"^chat template of {re.escape(tokenizer.name_or_path)}: "
+        ) as error:
+            text.render_chat(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    finally:
+        tokenizer.chat_template = original
+    assert isinstance(error.value.__context__, chat_template.TemplateOverBudget | OverflowError | None)
+    assert time.perf_counter() - started < 6  # (~2 s at most on a loaded CPU: loops of 100 000 turns)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 2**20  # KiB: under 1 GiB more
+
 
 # -- tokenizers and prompt text --------------------------------------------------------------------
 

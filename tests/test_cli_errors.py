@@ -1,0 +1,50 @@
+"""The `jaxsr` command's own errors: a usage mistake ends in one line naming the argument, with exit code
+2 (`--help` still prints argparse's usage), and Ctrl-C in one line, with exit code 130."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        ([], "arguments are required: command"),
+        (["rn", "x.yaml"], "invalid choice: 'rn'"),
+        (["run"], "arguments are required: config"),
+        (["demo", "--prompts", "x"], "argument --prompts: invalid int value: 'x'"),
+        (["demo", "--seed"], "argument --seed: expected one argument"),
+        (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+        (["run", "c.yaml", "--nope"], "unrecognized arguments: --nope"),
+        (["train"], "arguments are required: stage"),
+        (["train", "sft"], "arguments are required: config"),
+    ],
+)
+def test_cli_usage_errors_are_one_line_naming_the_argument(capsys, argv, named):
+    from jaxsr.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.count("\n") == 1 and named in err and err.startswith("jaxsr"), err
+    assert "usage:" not in err and "Traceback" not in err
+
+
+def test_cli_usage_error_from_the_command_line_and_help_unchanged():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    bad = subprocess.run([sys.executable, "-m", "jaxsr", "demo", "--n", "two"], capture_output=True, env=env)
+    assert bad.returncode == 2 and bad.stdout == b""
+    assert bad.stderr.decode() == (
+        "jaxsr demo: error: argument --n: invalid int value: 'two' (see jaxsr demo --help)\n"
+    )
+    good = subprocess.run([sys.executable, "-m", "jaxsr", "run", "--help"], capture_output=True, env=env)
+    assert (
+        good.returncode == 0 and good.stdout.startswith(b"usage: jaxsr run") and b"key=value" in good.stdout
+    )
