@@ -304,3 +304,74 @@ def test_edge_values_of_configs_and_loaders_are_refused_by_name(call, error, nam
     with pytest.raises(error) as info:
         call()
     assert str(info.value).startswith(named), str(info.value)
+
+
+# -- token ids, attention masks and token type ids of the models' own calls ------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder():
+    from flax import nnx
+
+    from jaxsr.models.encoder import Encoder, EncoderConfig, EncoderModel
+
+    config = EncoderConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    graph, params = nnx.split(Encoder(config, rngs=nnx.Rngs(0)))
+    return EncoderModel(config=config, graph=graph, params=params)
+
+
+@pytest.mark.parametrize(
+    "token_ids",
+    [[[2**32 + 3]], np.array([[2**32 + 3]], np.int64), np.array([[2**63]], np.uint64), [[2**63]], [[2**64]]],
+    ids=["list-2**32+3", "int64-2**32+3", "uint64-2**63", "list-2**63", "list-2**64"],
+)
+def test_token_ids_past_int32_are_refused_not_wrapped(lm, tiny_encoder, token_ids):
+    with pytest.raises(ValueError, match=r"token_ids: ids must lie in \[0, 64\)"):
+        lm.logits(token_ids)
+    with pytest.raises(ValueError, match=r"token_ids: ids must lie in \[0, 32\)"):
+        tiny_encoder.hidden(token_ids)
+
+
+def test_negative_id_beside_an_id_past_int64_is_refused(lm):
+    with pytest.raises(ValueError, match="token_ids: ids must lie"):
+        lm.logits([[-1, 2**63]])
+
+
+@pytest.mark.parametrize("token_ids", [[[1.5, 2.0]], [[True, False]], np.ones((1, 2), bool)])
+def test_token_ids_that_are_not_integers_are_refused(lm, token_ids):
+    with pytest.raises(TypeError, match="token_ids"):
+        lm.logits(token_ids)
+
+
+def test_ragged_inputs_are_named(lm, tiny_encoder):
+    rectangular = "expected a rectangular"
+    with pytest.raises(ValueError, match=f"token_ids: {rectangular}"):
+        lm.logits([[1, 2], [3]])
+    with pytest.raises(ValueError, match=f"token_ids: {rectangular}"):
+        tiny_encoder.hidden([[1, 2], [3]])
+    with pytest.raises(ValueError, match=f"token_type_ids: {rectangular}"):
+        tiny_encoder.hidden([[1, 2]], token_type_ids=[[0], [0, 1]])
+    with pytest.raises(ValueError, match=f"attention_mask: {rectangular}"):
+        tiny_encoder.hidden([[1, 2], [3, 4]], attention_mask=[[1], [1, 0]])
+
+
+@pytest.mark.parametrize("mask", [[[2, -1]], [[1, 2]], [[0.5, 1.0]], [[1, 1, 1]], [[1], [1]]])
+def test_bad_attention_masks_are_refused(lm, tiny_encoder, mask):
+    with pytest.raises(ValueError, match="attention_mask"):
+        lm.logits([[1, 2]], attention_mask=mask)
+    with pytest.raises(ValueError, match="attention_mask"):
+        tiny_encoder.hidden([[1, 2]], attention_mask=mask)
+
+
+def test_token_type_ids_of_another_shape_or_range_are_refused(tiny_encoder):
+    with pytest.raises(ValueError, match="token_type_ids: expected shape"):
+        tiny_encoder.hidden([[1, 2]], token_type_ids=[[0, 1, 0]])
+    with pytest.raises(ValueError, match=r"token_type_ids: ids must lie in \[0, 2\)"):
+        tiny_encoder.hidden([[1, 2]], token_type_ids=[[0, 2**32]])
+
+
+def test_valid_masks_and_ids_are_accepted(lm, tiny_encoder):
+    ids = np.array([[1, 2]], np.int64)
+    for mask in ([[0, 1]], np.array([[False, True]]), np.array([[0, 1]], np.uint8)):
+        assert lm.logits(ids, attention_mask=mask).shape == (1, 2, 64)
+    assert tiny_encoder.hidden([[1, 2]], attention_mask=[[1, 0]], token_type_ids=[[0, 1]]).shape == (1, 2, 16)

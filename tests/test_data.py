@@ -1,4 +1,5 @@
-"""Prompt sets ship inside the package and are found by name from anywhere; $JAXSR_DATA_DIR adds more."""
+"""Prompt sets ship inside the package and are found by name from anywhere; $JAXSR_DATA_DIR adds more;
+a prompt file that is empty, malformed or not UTF-8 is named (with its line)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,32 @@ def test_unknown_sets_and_bad_files_are_named(tmp_path):
     bad.write_text("[{")
     with pytest.raises(ValueError, match=f"{bad}.*not valid JSON"):
         read_prompts(str(bad))
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "named"),
+    [
+        ("empty.jsonl", "", "holds no prompts"),
+        ("empty.json", "[]", "holds no prompts"),
+        ("bad.jsonl", '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": \n', "at line 3"),
+        ("bad.json", '[\n{"prompt": "a"},\n}', "at line 3"),
+        ("blank.json", '[{"prompt": "  "}]', "record 0"),
+    ],
+    ids=["empty-jsonl", "empty-json", "jsonl-line", "json-line", "blank-prompt"],
+)
+def test_a_bad_data_file_is_named_with_its_line(tmp_path, name, content, named):
+    file = tmp_path / name
+    file.write_text(content)
+    with pytest.raises(ValueError, match=named) as info:
+        read_prompts(str(file))
+    assert str(file) in str(info.value)
+
+
+def test_a_data_file_that_is_not_utf8_is_named(tmp_path):
+    file = tmp_path / "latin1.jsonl"
+    file.write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match="not UTF-8"):
+        read_prompts(str(file))
 
 
 def test_every_bundled_file_is_package_data():

@@ -87,10 +87,20 @@ def tokenizers():
     return {"smollm2": AutoTokenizer.from_pretrained(str(smollm2_draft_path())), "bytes": H.byte_tokenizer()}
 
 
+@pytest.fixture
+def tokenizer(tokenizers):
+    """SmolLM2's tokenizer (of `tokenizers`), its chat template as shipped again after the test."""
+    tokenizer = tokenizers["smollm2"]
+    original = tokenizer.chat_template
+    yield tokenizer
+    tokenizer.chat_template = original
+
+
 @pytest.mark.parametrize("template", [None, LLAMA3, GEMMA, MISTRAL, QWEN, FILTERS])
 @pytest.mark.parametrize("prompt", [True, False])
 def test_chat_templates_render_exactly_as_transformers_renders_them(tokenizers, template, prompt):
     """Or fail where transformers fails (the byte tokenizer has no bos_token), as a ValueError."""
+    from jaxsr import text
 
     for tokenizer in tokenizers.values():
         original = tokenizer.chat_template
@@ -110,7 +120,44 @@ def test_chat_templates_render_exactly_as_transformers_renders_them(tokenizers, 
             tokenizer.chat_template = original
 
 
+def test_the_shipped_template_renders_within_the_budget_and_tracing_is_restored(tokenizer):
+    import sys
+
+    before = sys.gettrace()
+    rendered = text.render_chat(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert rendered == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert sys.gettrace() is before
+
+
 # -- templates that fail, never end or render too much ---------------------------------------------
+
+
+ENDLESS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    ("template", "named"),
+    [
+        ("{{ raise_exception('only user turns') }}", "only user turns"),
+        ("{% for m in messages %}{{ m.content.nope() }}{% endfor %}", "UndefinedError"),
+        ("{% for m in messages %}{{ m.__class__.__mro__ }}{% endfor %}", "SecurityError"),
+    ],
+    ids=["raises", "undefined", "sandbox"],
+)
+def test_a_failing_chat_template_is_a_value_error_naming_the_tokenizer(tokenizer, template, named):
+    tokenizer.chat_template = template
+    with pytest.raises(ValueError, match="chat template of") as info:
+        text.render_chat(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert named in str(info.value)
+
+
+def test_a_chat_template_that_never_ends_is_stopped(tokenizer, monkeypatch):
+    monkeypatch.setattr(chat_template, "LINE_BUDGET", 20_000)
+    tokenizer.chat_template = ENDLESS
+    with pytest.raises(ValueError, match="still rendering after 20000 template lines"):
+        text.render_chat(tokenizer, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
 
 
 RUNAWAYS = [
@@ -156,6 +203,8 @@ def test_a_runaway_template_is_refused_quickly_naming_the_tokenizer(tokenizers, 
     import resource
     import time
 
+    from jaxsr import chat_template, text
+
     tokenizer = tokenizers["smollm2"]
     original = tokenizer.chat_template
     tokenizer.chat_template = template
@@ -170,6 +219,30 @@ def test_a_runaway_template_is_refused_quickly_naming_the_tokenizer(tokenizers, 
     assert isinstance(error.value.__context__, chat_template.TemplateOverBudget | OverflowError | None)
     assert time.perf_counter() - started < 6  # (~2 s at most on a loaded CPU: loops of 100 000 turns)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 2**20  # KiB: under 1 GiB more
+
+
+def test_generate_refuses_a_runaway_template_before_decoding(monkeypatch):
+    model = jaxsr.load_model(smollm2_draft_path())
+    monkeypatch.setattr(chat_template, "LINE_BUDGET", 20_000)
+    model.tokenizer.chat_template = ENDLESS
+    with pytest.raises(ValueError, match="chat template"):
+        jaxsr.generate(model, ["hi"], max_new_tokens=2)
+
+
+def test_a_template_that_renders_gigabytes_is_refused_before_tokenizing(monkeypatch):
+    """A one-line template can turn "hi" into more text than any context holds: refused by its length
+    before the tokenizer (whose allocation failure would abort the process) sees it."""
+    model = jaxsr.load_model(smollm2_draft_path())
+    model.tokenizer.chat_template = "{{ 'x' * 10**7 }}"
+    encode = text.encode
+
+    def short_only(tokenizer, rendered, **kwargs):
+        assert len(rendered) < 10**6, "the rendering was tokenized"
+        return encode(tokenizer, rendered, **kwargs)
+
+    monkeypatch.setattr(text, "encode", short_only)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]: chat template of .*10{7}"):
+        jaxsr.generate(model, ["hi"], max_new_tokens=2)
 
 
 # -- tokenizers and prompt text --------------------------------------------------------------------
