@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxsr import cli
+
 
 @pytest.mark.parametrize(
     "argv, named",
@@ -48,3 +50,12 @@ def test_cli_usage_error_from_the_command_line_and_help_unchanged():
     assert (
         good.returncode == 0 and good.stdout.startswith(b"usage: jaxsr run") and b"key=value" in good.stdout
     )
+
+
+def test_ctrl_c_ends_with_one_line_and_exit_code_130(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_job", interrupted)
+    assert cli.main(["run", "configs/generate_alpaca.yaml", "--no-progress"]) == 130
+    assert capsys.readouterr().err == "jaxsr: interrupted\n"

@@ -235,6 +235,35 @@ def test_keys_the_method_does_not_use_are_refused():
     assert load_job_config(None, ["method=generate", "gamma=4"]).gamma == 4  # a default is not a setting
 
 
+@pytest.mark.parametrize(
+    "keys, named",
+    [
+        (["method=best_of_n", "reward=self_likelihood"], "n: best_of_n needs n"),
+        (["method=best_of_n", "n=4"], "reward: best_of_n needs a reward"),
+        (["method=speculative_rejection"], "reward: speculative_rejection needs a reward"),
+        (["method=speculative_decode"], "draft: speculative_decode needs a second model"),
+        (["method=best_of_n", "n=2", "reward=minilm", "decoder=contrastive"], "draft: decoder=contrastive"),
+    ],
+)
+def test_a_job_missing_what_its_method_needs_is_refused_before_any_model_loads(
+    keys, named, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("JAXSR_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr("jaxsr.jobs.methods.resolve_model", lambda *a, **k: pytest.fail("a model loaded"))
+    output, config = tmp_path / "out" / "job.jsonl", tmp_path / "job.yaml"
+    config.write_text(f"output: {output}\n")
+    assert main(["run", str(config), *keys, "--no-progress"]) == 2
+    assert named in capsys.readouterr().err
+    assert not output.parent.exists() and not (tmp_path / "cache").exists()  # nothing written
+
+
+def test_a_config_file_names_its_key_when_a_method_lacks_one(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps({"method": "best_of_n", "reward": "minilm"}))
+    with pytest.raises(ValueError, match=r"^n: best_of_n needs n"):
+        load_job_config(Path(path))
+
+
 # -- running jobs from the command line ------------------------------------------------------------
 
 

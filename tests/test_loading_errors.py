@@ -263,6 +263,26 @@ def test_inside_refuses_what_is_not_a_file_name(tmp_path):
     assert inside(tmp_path, "a/b.safetensors", tmp_path / "index.json") == tmp_path / "a" / "b.safetensors"
 
 
+def test_a_checkpoint_reads_only_the_files_that_hold_its_tensors(tmp_path):
+    from jaxsr.loading.files import CheckpointError
+    from jaxsr.loading.safetensors import SafetensorsCheckpoint, write_safetensors
+
+    right, wrong = np.ones(2, np.float32), np.full(2, 7, np.float32)
+    write_safetensors(tmp_path / "model.safetensors", {"w": right})
+    write_safetensors(tmp_path / "extra.safetensors", {"w": wrong})  # unindexed, the same name
+    with pytest.raises(CheckpointError, match=r"2 weights files \(extra.safetensors, model.safetensors\)"):
+        SafetensorsCheckpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "model.safetensors"}})
+    )
+    np.testing.assert_array_equal(SafetensorsCheckpoint(tmp_path)["w"], right)  # the index's file wins
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "./model.safetensors", "v": "extra.safetensors"}})
+    )
+    with pytest.raises(CheckpointError, match="'v' is listed in the index but not in its shard"):
+        SafetensorsCheckpoint(tmp_path)  # extra.safetensors is read, but only for `v`, which it lacks
+
+
 # -- safetensors files -----------------------------------------------------------------------------
 
 
@@ -319,6 +339,33 @@ def test_an_impossible_tensor_shape_names_the_file_and_tensor(tmp_path, shape):
     file.write_bytes(len(header).to_bytes(8, "little") + header)
     with pytest.raises(CheckpointError, match=r"model.safetensors: tensor 'w' has an impossible shape"):
         read_safetensors(file)
+
+
+def safetensors_bytes(header: dict, data: bytes) -> bytes:
+    encoded = json.dumps(header).encode()
+    return len(encoded).to_bytes(8, "little") + encoded + data
+
+
+@pytest.mark.parametrize(
+    "offsets, data, problem",
+    [
+        ({"a": [0, 8], "b": [4, 12]}, bytes(12), "overlaps or leaves a gap"),  # b reads a's last bytes
+        ({"a": [0, 8], "b": [12, 20]}, bytes(20), "overlaps or leaves a gap"),
+        ({"a": [0, 8], "b": [8, 16]}, bytes(24), "8 bytes after the last tensor's data"),
+    ],
+)
+def test_safetensors_byte_ranges_must_tile_the_buffer(tmp_path, offsets, data, problem):
+    from jaxsr.loading.files import CheckpointError
+    from jaxsr.loading.safetensors import read_safetensors
+
+    header = {name: {"dtype": "F32", "shape": [2], "data_offsets": span} for name, span in offsets.items()}
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(safetensors_bytes(header, data))
+    with pytest.raises(CheckpointError, match=problem):
+        read_safetensors(path)
+    header["b"]["data_offsets"] = [8, 16]  # the same tensors, tiled
+    path.write_bytes(safetensors_bytes(header, bytes(16)))
+    assert sorted(read_safetensors(path)) == ["a", "b"]
 
 
 def test_pickle_checkpoint_is_refused_and_never_unpickled(copy, tmp_path):

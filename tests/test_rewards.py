@@ -14,6 +14,7 @@ import refusals
 import torch
 import transformers
 from refusals import _Returns
+from tiny import tiny_model
 from tolerance import assert_same_sample
 
 import jaxsr
@@ -346,6 +347,31 @@ def test_a_reward_without_a_callable_score_is_refused(lm):
     broken.score = 5
     with pytest.raises(TypeError, match="reward: _Returns's `score` must be a method"):
         jaxsr.best_of_n(lm, broken, [[1, 2]], n=2, max_new_tokens=2)
+
+
+class Meddling:
+    """A reward that edits what it is given: its token-id lists, texts and the prompt's messages."""
+
+    name, token_forwards = "meddling", 0
+
+    def score(self, candidates):
+        for ids in candidates.token_ids:
+            ids.extend([1, 2, 3])
+        candidates.texts[:] = ["changed"] * len(candidates.texts)
+        candidates.messages[0]["content"] = "changed"
+        return np.arange(len(candidates), dtype=np.float64)
+
+
+@pytest.mark.parametrize("search", [jaxsr.best_of_n, jaxsr.speculative_rejection])
+def test_a_reward_cannot_alter_the_results_it_scores(search):
+    lm = tiny_model(seed=2, eos_token_ids=(63,))
+    kwargs = dict(n=4, max_new_tokens=8, seed=1)
+    if search is jaxsr.speculative_rejection:
+        kwargs["memory_budget"] = 256
+    meddled = search(lm, Meddling(), [[3, 4, 5]], **kwargs)[0]
+    plain = search(lm, SelfLikelihood(), [[3, 4, 5]], **kwargs)[0]
+    assert [s.token_ids for s in meddled.samples] == [s.token_ids for s in plain.samples]
+    assert all(len(s.token_ids) <= 8 for s in meddled.samples)
 
 
 # -- EmbeddingSimilarity ---------------------------------------------------------------------------

@@ -248,6 +248,20 @@ def test_a_template_that_renders_gigabytes_is_refused_before_tokenizing(monkeypa
 # -- tokenizers and prompt text --------------------------------------------------------------------
 
 
+def test_a_tokenizer_that_panics_is_a_value_error_naming_it():
+    import transformers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    from jaxsr import text
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("((a+)+)+b"), behavior="isolated")  # backtracks
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    with pytest.raises(ValueError, match=r"tokenizer of .* failed on a text: .*retry-limit"):
+        text.encode(tokenizer, "a" * 30)
+    assert text.encode(tokenizer, "a") == [1]  # the same tokenizer on a text it can take
+
+
 def test_text_that_is_not_unicode_is_named():
     model = jaxsr.load_model(smollm2_draft_path())
     with pytest.raises(ValueError, match=r"^prompts\[1\]: not valid Unicode"):

@@ -121,6 +121,19 @@ def test_selection_modes():
     assert all(s["text"] != "unscored" for _, s in select_responses(rows, "top_k", k=10))
 
 
+def test_sft_never_chooses_a_nan_or_infinite_score():
+    samples = [
+        {"text": "nan", "score": float("nan")},
+        {"text": "inf", "score": float("inf")},
+        {"text": "good", "score": 1.0},
+        {"text": "worse", "score": 0.5},
+    ]
+    record = {"prompt": "p", "samples": samples, "best": None}
+    assert [s["text"] for _, s in select_responses([record], "best")] == ["good"]
+    assert [s["text"] for _, s in select_responses([record], "top_k", k=2)] == ["good", "worse"]
+    assert [s["text"] for _, s in select_responses([record], "threshold", threshold=0.0)] == ["good", "worse"]
+
+
 def test_examples_are_the_prompt_as_inference_encodes_it_then_the_response(checkpoint):
     model = jaxsr.load_model(checkpoint)
     eos = model.eos_token_ids[0]
