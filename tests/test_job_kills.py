@@ -1,8 +1,7 @@
-"""The issue's bar for resumable jobs: SIGKILL a running `jaxsr run` (a Speculative Rejection and a
-Best-of-N job) at five random moments, resume it after each, and its records are those of an
-uninterrupted run (every prompt once, the same tokens,
-texts and choices; scores and log-probabilities to float32 rounding, as resumed calls pack other
-prompts together)."""
+"""Jobs resume after SIGKILL: a running `jaxsr run` (a Speculative Rejection and a Best-of-N job) killed
+at five random moments and resumed after each writes the records of an uninterrupted run (every prompt
+once, the same tokens, texts and choices; scores and log-probabilities to float32 rounding, as resumed
+calls pack other prompts together)."""
 
 from __future__ import annotations
 
