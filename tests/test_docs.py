@@ -44,7 +44,7 @@ SLOW = {
     # compilation cache warm, on 2 busy cores)
     ("README.md", "best_of_n(lm, reward"): "Best-of-8 and SR's rungs compile for the draft: 11 s",
     ("README.md", "jaxsr run my_job.yaml"): "a 2-prompt SR job, its report and export: 5 s",
-    ("docs/getting-started.md", "load_encoder(minilm_path())"): "SmolLM2-135M and MiniLM: 17 s",
+    ("docs/getting-started.md", "load_encoder(minilm_path())"): "SR with SmolLM2-135M and MiniLM: 17 s",
     ("docs/jobs.md", "limit=3"): "three runs of a job and the datasets import: 6 s",
     ("docs/jobs.md", "chat.parquet"): "a chat job, its report, export and the datasets import: 6 s",
     ("docs/methods.md", "speculative_contrastive_decoder"): "SmolLM2 and the draft, SD and SR over SCD: 19 s",
