@@ -1,0 +1,1 @@
+"""Token loops: sampling, contrastive scores, speculative verification and the decode-state pytree."""

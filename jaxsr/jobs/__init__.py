@@ -1,0 +1,1 @@
+"""Dataset jobs: configs, records, resume, progress, reports and exports."""

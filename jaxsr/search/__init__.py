@@ -1,0 +1,1 @@
+"""Searches over a decoder: Best-of-N, Speculative Rejection, TreeBoN, and the scheduler they share."""
