@@ -57,6 +57,7 @@ def test_sampling_config_still_refuses_numpy_bools_and_bad_values(kwargs, error,
         jaxsr.SamplingConfig(**kwargs)
 
 
+@pytest.mark.slow  # compiles generate, Best-of-N and SR for a tiny model
 def test_entry_points_take_numpy_numbers_alike(lm):
     """The numbers of every entry point go through jaxsr.checks: NumPy ints/floats behave as Python's."""
     sampling = jaxsr.SamplingConfig(temperature=np.float32(1.0), top_k=np.int64(0))

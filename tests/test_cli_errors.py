@@ -36,6 +36,7 @@ def test_cli_usage_errors_are_one_line_naming_the_argument(capsys, argv, named):
     assert "usage:" not in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # starts 2 Python processes that import jaxsr's CLI
 def test_cli_usage_error_from_the_command_line_and_help_unchanged():
     import subprocess
     import sys

@@ -114,6 +114,7 @@ def test_each_program_compiles_once_ahead_and_none_in_a_call_with_the_same_recor
     assert [len(r["samples"]) for r in records] == [2] * len(PROMPTS)
 
 
+@pytest.mark.slow  # runs an SD job twice from empty caches, compiled ahead and in its calls
 def test_a_two_model_job_compiles_ahead_too(job, monkeypatch):
     pair = ["method=speculative_decode", f"draft={load_job_config(job).model}", "gamma=2", "limit=3"]
     ahead_records, ahead = run(job, monkeypatch, 1, *pair)

@@ -38,6 +38,7 @@ def tokens(result: jaxsr.Result) -> list[list[int]]:
     return [s.token_ids for s in result.samples]
 
 
+@pytest.mark.slow  # compiles Best-of-N over SD, SD itself and Best-of-N of the target
 def test_best_of_n_over_a_decoder_samples_what_the_decoder_samples(target, draft):
     decoder = make("speculative", target, draft)
     kwargs = dict(max_new_tokens=12, sampling=SAMPLING, seed=5)
@@ -52,6 +53,7 @@ def test_best_of_n_over_a_decoder_samples_what_the_decoder_samples(target, draft
     assert any(tokens(b) != tokens(p) for b, p in zip(bon, plain, strict=True))  # the streams differ
 
 
+@pytest.mark.slow  # per decoder (SD, CD, SCD): compiles Best-of-N and SR over it
 @pytest.mark.parametrize("kind", KINDS)
 def test_zero_rejection_over_a_decoder_is_best_of_n_over_it(target, draft, kind):
     decoder = make(kind, target, draft)

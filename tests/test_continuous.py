@@ -48,6 +48,7 @@ def alone(lm):
     return [jaxsr.generate(lm, [p], prompt_offset=i, **kwargs)[0] for i, p in enumerate(PROMPTS)]
 
 
+@pytest.mark.slow  # per schedule: continuous batching of 10 prompts; its fixture decodes each alone
 @pytest.mark.parametrize("max_rows", [1, 2, 4, 64])
 def test_a_prompt_s_tokens_do_not_depend_on_the_schedule(lm, alone, max_rows):
     """1 row a slot (3 turns per prompt), 2 (two turns), 4 slots of 1 row... 64 rows (all at once)."""
@@ -60,6 +61,7 @@ def test_a_prompt_s_tokens_do_not_depend_on_the_schedule(lm, alone, max_rows):
         np.testing.assert_allclose([s.logprob for s in r.samples], [s.logprob for s in a.samples], atol=1e-4)
 
 
+@pytest.mark.slow  # compiles continuous batching of 10 prompts over data=8 fake CPUs
 def test_a_prompt_s_tokens_do_not_depend_on_the_mesh(lm, alone):
     sharded = shard_model(lm, make_mesh(data=8))
     kwargs = dict(max_new_tokens=24, num_samples=3, sampling=SAMPLING, seed=5, max_rows=6)

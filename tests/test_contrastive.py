@@ -94,6 +94,7 @@ def test_greedy_contrastive_decoding_is_the_argmax_of_the_full_forward_scores(ex
         assert result.stats["token_forwards"] == {"expert": 16 + 11, "amateur": 16 + 11}
 
 
+@pytest.mark.slow  # compiles plain sampling and contrastive decoding, CD run twice
 def test_without_contrast_it_is_plain_sampling_with_the_same_random_streams(expert, amateur):
     """β = 0 and α = 0: the scores are the expert's log-softmax, so every draw equals `jaxsr.generate`'s."""
     cfg = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9)

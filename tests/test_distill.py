@@ -105,6 +105,7 @@ def test_labels_are_the_teachers_distribution_and_samples_are_generates(teacher_
         assert (rank < 50).all()
 
 
+@pytest.mark.slow  # loads a 2-layer HF teacher and compiles its sampling for a chunk
 def test_a_chunk_on_disk_is_not_sampled_again(teacher_dir, prompt_sets, tmp_path):
     teacher = jaxsr.load_model(teacher_dir)
     config = run_config(teacher_dir, prompt_sets, tmp_path, max_new_tokens=8)

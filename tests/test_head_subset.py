@@ -90,6 +90,7 @@ def test_config_normalises_and_refuses_ids():
         tiny_config(head_token_ids=[1], num_labels=1)
 
 
+@pytest.mark.slow  # per cap: compiles logits and head-only forwards of a full and a reduced-head model
 @pytest.mark.parametrize("cap", [None, 2.0], ids=["plain", "soft-capped"])
 def test_logits_are_the_full_heads_at_the_ids_and_minus_inf_elsewhere(cap):
     full, reduced = full_and_reduced(final_logit_softcapping=cap)
@@ -223,6 +224,7 @@ def test_generate_emits_only_scored_ids(pair, sampling):
             assert np.isfinite(sample.logprob)
 
 
+@pytest.mark.slow  # compiles greedy decoding of the reduced-head model and a full forward
 def test_greedy_generate_follows_the_argmax_over_the_scored_ids(pair):
     full, reduced = pair
     (sample,) = jaxsr.generate(reduced, [PROMPTS[1]], max_new_tokens=6, sampling=GREEDY)[0].samples
@@ -231,6 +233,7 @@ def test_greedy_generate_follows_the_argmax_over_the_scored_ids(pair):
     assert sample.token_ids == [IDS[int(np.argmax(z[start + j, IDS]))] for j in range(6)]
 
 
+@pytest.mark.slow  # compiles plain decoding and 3 speculative decoders (greedy, sampled, reduced target)
 def test_speculative_decode_with_a_reduced_draft_runs_and_greedy_equals_the_target(pair):
     full, reduced = pair
     kwargs = dict(max_new_tokens=10, num_samples=2, sampling=GREEDY)
@@ -246,6 +249,7 @@ def test_speculative_decode_with_a_reduced_draft_runs_and_greedy_equals_the_targ
     assert all(set(s.token_ids) <= set(IDS) for r in out for s in r.samples)
 
 
+@pytest.mark.slow  # compiles SD with a reduced-head draft and the reduced model's plain decoding
 def test_repeated_calls_compile_the_decode_loop_once(pair):
     full, reduced = pair
     ours = {"prefill", "empty_slab", "insert", "decode_loop"}

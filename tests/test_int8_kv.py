@@ -125,6 +125,7 @@ def test_a_slot_counts_the_int8_entries_and_their_scales(dtype):
     assert built.kv_slot_bytes == int8.kv_slot_bytes  # a decoder built with the option
 
 
+@pytest.mark.slow  # compiles SR's rungs with float32 and with int8 caches (head_dim 64)
 def test_speculative_rejection_starts_wider_in_the_same_memory():
     """At one byte budget the int8 cache holds 3.76× the slots of float32 (head_dim 64), and SR's first
     batch grows accordingly (the prompt's slots come off the budget first)."""
@@ -155,6 +156,7 @@ def draft() -> Model:
     return perturbed(tiny_model(seed=0), 0.3, seed=1).with_kv_dtype("int8")  # agrees in part
 
 
+@pytest.mark.slow  # per γ: compiles greedy decoding and SD of an int8 target
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_greedy_speculative_decoding_is_greedy_decoding_of_the_int8_target(target, draft, gamma):
     """Token for token: greedy SD with int8 caches is greedy plain decoding with them, and both are the
@@ -169,6 +171,7 @@ def test_greedy_speculative_decoding_is_greedy_decoding_of_the_int8_target(targe
     assert 0 < spec[0].stats["acceptance_rate"] < 1  # both paths of the verify step ran
 
 
+@pytest.mark.slow  # compiles greedy CD and SCD of an int8 target
 def test_greedy_speculative_contrastive_decoding_is_int8_contrastive_decoding(target, draft):
     kwargs = dict(max_new_tokens=12, sampling=GREEDY, alpha=0.1, beta=0.5)
     cd = jaxsr.contrastive_decode(target, draft, PROMPTS, **kwargs)
@@ -242,6 +245,7 @@ def _new_rows(prompts: int, samples: int, max_new_tokens: int) -> loop.NewRows:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # compiles SCD's decode loop with int8 caches, paused, compacted and resumed
 def test_pausing_and_compacting_int8_caches_do_not_change_the_tokens(target, draft):
     """As test_speculative's: decode to a pause point, gather rows into another order (one masked) with a
     larger cache, finish: the survivors' tokens are those of an uninterrupted run."""
@@ -263,6 +267,7 @@ def test_pausing_and_compacting_int8_caches_do_not_change_the_tokens(target, dra
     np.testing.assert_array_equal(small.tokens[alive], full.tokens[keep[alive]])
 
 
+@pytest.mark.slow  # compiles int8-cache decoding on one device and on a (4, 2) mesh, and a compaction
 def test_int8_decoding_is_the_same_on_a_mesh_and_scales_are_split_like_their_cache(target):
     kwargs = dict(max_new_tokens=12, num_samples=8, sampling=SAMPLING, seed=3)
     reference = jaxsr.generate(target, PROMPTS, **kwargs)

@@ -156,6 +156,7 @@ def _parameter_bytes(model: Model) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(model.params))
 
 
+@pytest.mark.slow  # per dtype: builds and quantizes a 2-layer decoder of SmolLM2's widths
 @pytest.mark.parametrize(("dtype", "ratio"), [(jnp.float32, 3.97), (jnp.bfloat16, 1.99)])
 def test_int8_weights_take_a_byte_a_weight_and_the_scales(dtype, ratio):
     """Bytes: every matrix a byte an entry plus its scales in the parameters' dtype; the rest as it was.
@@ -178,6 +179,7 @@ def test_int8_weights_take_a_byte_a_weight_and_the_scales(dtype, ratio):
     assert _parameter_bytes(model) / _parameter_bytes(int8) == pytest.approx(ratio, abs=0.005)
 
 
+@pytest.mark.slow  # quantizes and dequantizes a tiny model, compiles logits of 3 variants
 def test_dequantized_weights_give_the_int8_models_logits_and_values_are_checked():
     lm = tiny_model(seed=1)
     int8 = lm.with_weights_dtype("int8")
@@ -220,6 +222,7 @@ and 0.062 (contextual), mean 0.010 and 0.008, argmax agreement 0.989 and 0.988, 
 0.07%; with int8 caches as well (both models) the same to two digits."""
 
 
+@pytest.mark.slow  # per model and cache: 300 tokens teacher-forced, float and int8 weights
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 @pytest.mark.parametrize("model", ["tiny", "contextual"])
 def test_int8_weight_logits_stay_close_to_the_float_models_over_300_tokens(model, kv_dtype):
@@ -245,6 +248,7 @@ argmax agreement 0.996 / 0.995 / 0.998; int8 weights: max 0.110 / 0.373 / 0.220,
 0.026, argmax 0.979 / 0.978 / 0.998 (Llama 2 / Qwen2 / Gemma 2); perplexity within 0.23% in all six."""
 
 
+@pytest.mark.slow  # 3 tiny HF families × int8 caches or weights, 200 tokens teacher-forced each
 @pytest.mark.parametrize("family", ["llama2", "qwen2", "gemma2"])
 @pytest.mark.parametrize("quantized", ["kv", "weights"])
 def test_int8_logits_of_the_tiny_hf_checkpoints_stay_close_to_float(family, quantized, tmp_path_factory):
@@ -340,6 +344,7 @@ def test_empirical_joint_matches_the_exact_int8_target_joint(monkeypatch, kind, 
             function.cache_clear()
 
 
+@pytest.mark.slow  # compiles int8-weight decoding on one device and on a (4, 2) mesh
 def test_int8_weight_decoding_is_the_same_on_a_mesh_and_scales_are_split_like_their_matrices(target):
     kwargs = dict(max_new_tokens=12, num_samples=8, sampling=SAMPLING, seed=3)
     reference = jaxsr.generate(target, PROMPTS, **kwargs)

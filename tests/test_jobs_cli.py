@@ -534,6 +534,7 @@ def test_a_second_job_on_a_held_output_is_refused_at_once_and_a_killed_holder_fr
     assert not lock_path(output).exists()  # a finished job leaves only its records and job file
 
 
+@pytest.mark.slow  # two CLI processes at once, each importing JAX and compiling a generate job
 def test_two_concurrent_jobs_on_one_output_never_duplicate_a_record(job):
     path, output = job
     command = [sys.executable, "-m", "jaxsr.cli", "run", str(path), "limit=4", "--no-progress"]
@@ -718,6 +719,7 @@ def test_a_speculative_rejection_job_passes_its_search_keys(job, tmp_path):
     assert tokens[:2] == [5, 9]  # every 4 tokens from the first (9: the first segment of 8 is full too)
 
 
+@pytest.mark.slow  # runs an SR job twice from the CLI, 1 and 3 prompts in flight
 def test_a_speculative_rejection_job_packs_prompts_and_resumes_with_another_packing(job):
     """concurrent_prompts changes how the job runs, not what it computes: the records of 1 and 3
     prompts in flight are the same, and a job started with one resumes with the other."""

@@ -446,6 +446,7 @@ def test_an_abstract_model_split_over_eight_h100s_holds_its_shards():
     assert bytes_per_device(model.params) == 2 * (split // 8 + replicated)
 
 
+@pytest.mark.slow  # its fixture compiles a 2-layer Llama-3.1-8B-wide plan for 8 H100s (CUDA plugin)
 @needs_cuda_plan
 def test_rows_split_over_eight_h100s_decode_without_gathering(h100_rows_split_plan):
     plan = h100_rows_split_plan
@@ -467,6 +468,7 @@ def test_rows_split_over_eight_h100s_decode_without_gathering(h100_rows_split_pl
     print(f"{decode.bytes_accessed / 2**30:.2f} GiB; compiled: {compiled}")
 
 
+@pytest.mark.slow  # compiles a 2-layer Llama-3.1-8B-wide decode loop for 8 H100s (CUDA plugin)
 @needs_cuda_plan
 def test_top_k_sampling_over_a_split_vocabulary_gathers_no_rows_across_data_shards():
     """Rows over 4 `data` shards, the vocabulary over 2 `model` shards, top-k 50: XLA GPU's top-k
@@ -482,6 +484,7 @@ def test_top_k_sampling_over_a_split_vocabulary_gathers_no_rows_across_data_shar
     assert loop.gathered == ("((f32[16,50], s32[16,50]), (f32[32,50], s32[32,50]))",)
 
 
+@pytest.mark.slow  # compiles a 1-layer Llama-3.1-8B-wide decode loop of 512 rows for a v5e-8 twice (libtpu)
 @needs_libtpu
 def test_top_k_sampling_on_a_tpu_runs_the_tpus_own_top_k():
     """A TPU pads the blocked search's [blocks, 64] tiles to 128 lanes and holds its padded copy of the
@@ -531,6 +534,7 @@ def test_a_program_too_big_for_the_gpu_is_refused_naming_the_target_and_its_memo
 # --- a job's plan: `jaxsr plan CONFIG.yaml --target ...` -------------------------------------------------
 
 
+@pytest.mark.slow  # reads SmolLM2's GGUF with its tokenizer (transformers) and asks an offline hub
 def test_shipped_configs_are_the_hub_models_and_plan_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     gemma = decoder_config_from_hf(hf_config_of("google/gemma-2-9b-it"))
@@ -625,6 +629,7 @@ def _peak(program: dict) -> int:
     return sum(program[k] for k in keys) - program["alias_bytes"]
 
 
+@pytest.mark.slow  # compiles a 1-layer SmolLM2-draft plan for a v4-16 (libtpu)
 @needs_libtpu
 def test_a_slice_of_several_hosts_is_planned_as_one_hosts_job_process(tmp_path, capsys):
     """A v4-16 is two hosts of 4 chips: each runs the job on its own chips (a mesh of `local_devices`),
@@ -660,6 +665,7 @@ def test_a_later_rung_is_left_out_only_where_compiled_rungs_hold_more_rows_and_s
     assert dominated(batch, 8, all_rungs=False)[1] == ((4, 20),)
 
 
+@pytest.mark.slow  # compiles a 1-layer SmolLM2-draft SR plan for an H100 twice, all rungs the second time
 @needs_cuda_plan
 def test_an_sr_plan_compiles_the_later_rungs_decode_loops_at_their_shapes(tmp_path, capsys):
     """Speculative Rejection decodes each rung in a loop of its own shape: the plan compiles the next
@@ -702,6 +708,7 @@ def test_an_sr_plan_compiles_the_later_rungs_decode_loops_at_their_shapes(tmp_pa
     assert args["decode_loop"] == at(8, 32) and args["decode_loop_rung4"] == at(1, 64)
 
 
+@pytest.mark.slow  # starts libtpu and lays out Gemma-2-9B's and its reward model's parameters
 @needs_libtpu
 def test_a_job_whose_parameters_exceed_the_chip_is_refused_in_one_line(capsys):
     argv = ["plan", "configs/speculative_rejection_gemma2_9b.yaml", "--target", "v5e-8", "mesh_model=1"]
@@ -792,6 +799,7 @@ def test_an_sr_plan_counts_each_rows_working_memory_and_starts_wider_with_int8_c
     assert rows["int8"] > rows[None]
 
 
+@pytest.mark.slow  # compiles a 2-layer Llama-3.1-8B-wide SR plan of 512 rows for a v5e-8 (libtpu)
 @needs_libtpu
 def test_a_decisions_compaction_on_data_shards_gathers_no_cache():
     """Speculative Rejection's first decision on a v5e-8 (rows over 8 data shards): one prompt's 512

@@ -64,6 +64,7 @@ def _slots_first(cache) -> dict[str, list[np.ndarray]]:
     }
 
 
+@pytest.mark.slow  # 4 models × 3 blocks: compiles prefill blocked and as one block
 @pytest.mark.parametrize("block", [4, 8, 16])  # S = 37: 10 blocks in 4 loops, 5 in 2, 3 in 1
 @pytest.mark.parametrize("model", MODELS)
 def test_blocked_prefill_equals_one_block_on_real_slots(model, block):
@@ -86,6 +87,7 @@ def test_blocked_prefill_equals_one_block_on_real_slots(model, block):
                 np.testing.assert_allclose(a[real], b[real], atol=TOL, rtol=0, err_msg=f"{name} {layer}")
 
 
+@pytest.mark.slow  # compiles the gradient of prefill twice (blocked and one block)
 def test_blocked_prefill_has_the_gradients_of_one_block():
     """Training differentiates through prefill (`jaxsr.training`)."""
     lm = tiny_model(**MODELS["window-softcap"])

@@ -184,6 +184,7 @@ def test_classifier_scores_the_rendered_conversation(rm, rm_checkpoint, smol_tok
     assert abs(a - b) > 1e-3 and abs(a - c) > 1e-3
 
 
+@pytest.mark.slow  # scores 9 responses with a SmolLM2-vocabulary reward model, batched and one by one
 def test_classifier_batch_equals_one_at_a_time(rm, smol_tokenizer):
     lengths = [len(rendered_ids(smol_tokenizer, PROMPT, r)) for r in RESPONSES]
     assert min(lengths) < 64 < max(lengths) <= 128
@@ -197,6 +198,7 @@ def test_classifier_batch_equals_one_at_a_time(rm, smol_tokenizer):
     np.testing.assert_allclose(backwards[::-1], together, atol=BATCH_TOL, rtol=0)
 
 
+@pytest.mark.slow  # per reward: compiles a SmolLM2-vocabulary reward model or MiniLM at several batches
 @pytest.mark.parametrize("kind", ["classifier", "similarity"])
 def test_several_prompts_are_scored_in_shared_batches(rm, encoder, kind, monkeypatch):
     """`score_many`: three prompts' responses in one model batch (one call where one a prompt took
@@ -282,6 +284,7 @@ def test_as_reward(rm, encoder, generator):
             as_reward(bad)
 
 
+@pytest.mark.slow  # compiles Best-of-N of a tiny model over SmolLM2's 49k-token vocabulary
 def test_a_plain_function_is_a_reward_and_a_reward_class_missing_an_attribute_is_named(generator):
     """`fn(prompt, response) -> float` scores each response; a class with `score` but without `name`
     or `token_forwards` (or with one of the wrong kind) is refused naming that attribute."""
@@ -467,6 +470,7 @@ def template_ids(tokenizer, prompt: str) -> tuple[list[int], list[int]]:
     return tuple(tokenizer(part, add_special_tokens=False)["input_ids"] for part in (before, after))
 
 
+@pytest.mark.slow  # its fixture runs Best-of-N (SmolLM2 vocabulary) scored by a reward model
 def test_best_of_n_with_classifier_reward(bon, rm, smol_tokenizer):
     # generator and reward model share SmolLM2's vocabulary: a response whose ids are what its text
     # renders to is scored on device (template prefix + its own ids + suffix); one whose sampled ids are

@@ -73,6 +73,7 @@ def test_greedy_equals_argmax_of_the_full_forward(lm):
         assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == generated
 
 
+@pytest.mark.slow  # compiles generate at 3 row layouts (12, 1 and 4 rows a call), 5 runs
 def test_same_seed_same_tokens_whatever_the_batch_layout(lm):
     cfg = SamplingConfig(temperature=1.0, top_k=0)
     whole = jaxsr.generate(lm, PROMPTS, max_new_tokens=10, num_samples=3, seed=7, sampling=cfg)
@@ -94,6 +95,7 @@ def test_same_seed_same_tokens_whatever_the_batch_layout(lm):
     assert len({tuple(s.token_ids) for s in whole[0].samples}) == 3
 
 
+@pytest.mark.slow  # compiles generate at 2 prompt buckets and runs 8 prompts in 4 calls, then 3 more runs
 def test_prompts_are_batched_by_length_and_keep_their_streams(lm):
     """Two prompts a batch, in file order long and short alternate; batched shortest first, each batch
     pads to its own length's bucket (16 or 64 positions instead of 64 for all). Every prompt gets the
@@ -111,6 +113,7 @@ def test_prompts_are_batched_by_length_and_keep_their_streams(lm):
     assert [r.samples[0].token_ids for r in listed[::-1]] == [r.samples[0].token_ids for r in results]
 
 
+@pytest.mark.slow  # compiles greedy decoding with and without a stop id, and with an EOS model
 def test_stop_ids_end_a_row_and_are_not_returned(lm):
     greedy = SamplingConfig(temperature=0)
     free = jaxsr.generate(lm, [PROMPTS[0]], max_new_tokens=8, sampling=greedy)[0].samples[0]
@@ -126,6 +129,7 @@ def test_stop_ids_end_a_row_and_are_not_returned(lm):
     assert jaxsr.generate(eos_model, [PROMPTS[0]], max_new_tokens=8, sampling=greedy)[0].samples[0] == sample
 
 
+@pytest.mark.slow  # compiles generate at 2 prompt buckets and 2 budget slabs
 def test_second_call_with_the_same_buckets_compiles_nothing(lm):
     slab = {"empty_slab", "insert", "decode_loop"}
     first = jaxsr.generate(lm, [[1, 2, 3]], max_new_tokens=9, num_samples=2, seed=1)
@@ -141,6 +145,7 @@ def test_second_call_with_the_same_buckets_compiles_nothing(lm):
     assert slab <= set(compiled) and "prefill" not in compiled
 
 
+@pytest.mark.slow  # compiles prefill and the decode loop of 8 rows, reads its HLO
 def test_the_compiled_decode_loop_updates_the_row_cache_in_place(lm):
     """No copy of a cache buffer per step: a step's cost must not grow with the cache capacity."""
     import re
@@ -166,12 +171,14 @@ def test_the_compiled_decode_loop_updates_the_row_cache_in_place(lm):
     assert not shapes & set(copies)
 
 
+@pytest.mark.slow  # compiles prefill and a decode loop of 8 rows
 def test_prompt_is_prefilled_once_for_all_samples(lm):
     result = jaxsr.generate(lm, [[1, 2, 3]], max_new_tokens=5, num_samples=8, seed=0)[0]
     # one prompt row of the 16-token bucket, then 4 decode steps of the 8 rows
     assert result.stats["token_forwards"]["generator"] == 16 + 4 * 8
 
 
+@pytest.mark.slow  # per setting: compiles and draws 4000 rows in one call
 @pytest.mark.parametrize(
     "cfg",
     [

@@ -91,6 +91,7 @@ HELD_OUT = [
 ]
 
 
+@pytest.mark.slow  # 3 tiny HF families × 5 settings, each against a PyTorch greedy loop
 @pytest.mark.parametrize("config", HELD_OUT, ids=range(len(HELD_OUT)))
 def test_greedy_tokens_with_penalties_are_the_plain_python_ones(pair, config):
     lm, model = pair
@@ -98,6 +99,7 @@ def test_greedy_tokens_with_penalties_are_the_plain_python_ones(pair, config):
         assert ours(lm, prompt, config) == reference_greedy(model, prompt, lm.eos_token_ids, config), prompt
 
 
+@pytest.mark.slow  # 3 tiny HF families: greedy decoding of 3 prompts under 7 penalty settings
 def test_the_penalties_change_what_greedy_decoding_picks(pair):
     """A control of the tests above: on these prompts the penalties change the tokens."""
     lm, _ = pair
@@ -113,6 +115,7 @@ def lm():
     return tiny_model(seed=0, eos_token_ids=(3,))
 
 
+@pytest.mark.slow  # compiles and runs 64 samples of 24 tokens with forbidden ids
 def test_forbidden_ids_are_never_drawn(lm):
     sampling = SamplingConfig(temperature=1.5, top_k=0, forbidden_token_ids=(4, 7, 9))
     [result] = jaxsr.generate(lm, [[1, 2]], max_new_tokens=24, num_samples=64, sampling=sampling)
@@ -131,6 +134,7 @@ SWEEPS = {
 }
 
 
+@pytest.mark.slow  # per sweep: compiles one sampling program, then 4 more runs of 5 samples
 @pytest.mark.parametrize("sweep", list(SWEEPS))
 def test_a_sweep_of_five_values_compiles_one_program(lm, sweep):
     """Values are traced: the first setting compiles (or finds) the programs, the other four reuse them
@@ -144,6 +148,7 @@ def test_a_sweep_of_five_values_compiles_one_program(lm, sweep):
     assert len({str([s.token_ids for s in r[0].samples]) for r in results}) > 1
 
 
+@pytest.mark.slow  # compiles plain and speculative decoding with penalties
 def test_generate_takes_a_speculative_decoder_and_its_greedy_tokens_are_the_targets(lm):
     draft = tiny_model(seed=5, eos_token_ids=(3,))
     sampling = SamplingConfig(temperature=0, repetition_penalty=1.4, presence_penalty=0.5)
@@ -177,6 +182,7 @@ def test_bad_controls_are_refused_naming_them(kwargs, message):
         SamplingConfig(**kwargs)
 
 
+@pytest.mark.slow  # runs a job on a byte-level Llama from the CLI, then the same through the API
 def test_a_job_samples_with_the_controls_the_api_does(tmp_path):
     directory = hf_fixtures.build_llama_with_tokenizer(
         "LlamaForCausalLM", hf_fixtures.byte_tokenizer(), tmp_path / "llama", 31
@@ -258,6 +264,7 @@ def echoes(tokens: list[int]) -> int:
     return sum(a == b for a, b in itertools.pairwise(tokens))
 
 
+@pytest.mark.slow  # compiles a method's plain and speculative loops, greedy and at 32 samples
 def test_a_method_reads_each_rows_tokens_so_far(lm):
     """Greedy `NoEcho` equals a plain-Python greedy loop over full forward passes with the same ban; a
     speculative sampler with those scores gives the same tokens (its look-ahead positions see the
@@ -288,6 +295,7 @@ def ours_of(result) -> list[int]:
     return sample.token_ids + ([sample.stop_token] if sample.finished else [])
 
 
+@pytest.mark.slow  # compiles a method's and the presence penalty's loops, sampled, greedy and speculative
 def test_counts_of_the_rows_tokens_are_the_presence_penalty(lm):
     """`Past.counts` read by a method of one's own samples the tokens that the presence penalty does
     (same seed, same streams); greedy, a speculative sampler with those scores picks them too (the
@@ -334,6 +342,7 @@ def decode_rows(lm, prompt: list[int], sampling, rows: int, steps: int = 16) -> 
     return np.asarray(state.tokens)
 
 
+@pytest.mark.slow  # compiles the decode loop for per-row values, then each row's values alone
 def test_each_row_samples_with_its_own_values(lm):
     """Row b under `per_row(ROWS)` draws the tokens it draws under `ROWS[b]` alone (its stream is
     its own), and another set of values of the same form compiles nothing."""
@@ -399,6 +408,7 @@ STOPS = {
 """Stop strings, some cut out of the texts generated without stops (so they occur, over 2–4 tokens)."""
 
 
+@pytest.mark.slow  # per kind: 24 rows of a byte-level Llama, 40 tokens, with and without stops
 @pytest.mark.parametrize("kind", list(STOPS))
 def test_a_row_stops_where_its_text_first_shows_a_stop_string(byte_lm, kind):
     """Against generating without stops (the same random streams) and cutting in plain Python."""
@@ -425,6 +435,7 @@ def test_a_row_stops_where_its_text_first_shows_a_stop_string(byte_lm, kind):
     assert hits >= 2
 
 
+@pytest.mark.slow  # compiles SD, Best-of-N and SR with stop strings on a byte-level Llama
 def test_stop_strings_hold_in_speculative_decoding_and_the_searches(byte_lm):
     greedy = dict(max_new_tokens=24, sampling=SamplingConfig(temperature=0))
     [free] = jaxsr.generate(byte_lm, ["Name a color."], **greedy)
@@ -454,6 +465,7 @@ def test_bad_stop_strings_are_refused_naming_stop(byte_lm, bad):
         jaxsr.generate(byte_lm, ["hi"], max_new_tokens=4, stop=bad)
 
 
+@pytest.mark.slow  # compiles greedy and sampled decoding and Best-of-N of a Sampler
 def test_a_samplers_own_sampling_holds_unless_the_call_gives_one(lm):
     greedy = jaxsr.Sampler((lm,), PlainSampling(), sampling=SamplingConfig(temperature=0))
     kwargs = dict(max_new_tokens=12, num_samples=4, seed=2)

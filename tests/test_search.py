@@ -64,6 +64,7 @@ def test_batch_ladder():
     assert batch_ladder(8, 0.0) == [8]
 
 
+@pytest.mark.slow  # compiles Best-of-N and SR's one rung, 2 prompts × 8 rows
 def test_zero_rejection_is_best_of_n(lm):
     reward = SelfLikelihood()
     bon = jaxsr.best_of_n(lm, reward, PROMPTS, n=8, max_new_tokens=20, seed=3)
@@ -171,6 +172,7 @@ def test_memory_derived_first_batch(lm):
     assert parse_budget(np.int64(16 + 10 * 16)) == 16 + 10 * 16  # NumPy ints count, as for `n` and `seed`
 
 
+@pytest.mark.slow  # compiles every SR rung and compaction of a 3-layer model, then runs again
 def test_each_rung_compiles_once():
     """Compilations = distinct rungs visited (decode) and distinct rung transitions (compaction); calls
     that revisit them compile nothing. Which rungs a call visits depends on its samples (EOS)."""
@@ -199,6 +201,7 @@ def test_each_rung_compiles_once():
     assert sizes() == after
 
 
+@pytest.mark.slow  # compiles SR's rungs of a model no other test uses, at 2 prompt buckets
 def test_a_prompt_bucket_floor_shares_compiled_programs_across_prompt_lengths():
     lm = tiny_model(seed=0, intermediate_size=24)  # no EOS: every call visits the same rungs
     kwargs = dict(n=8, rejection_rate=0.5, max_new_tokens=12, min_first_segment=8, memory_budget=32 + 8 * 8)
@@ -295,6 +298,7 @@ def test_best_of_n_counts_every_prompt_cache_of_a_batch_in_the_budget(lm):
         jaxsr.best_of_n(lm, SelfLikelihood(), PROMPTS, n=2, max_new_tokens=4, stop_token_ids=[10**6])
 
 
+@pytest.mark.slow  # compiles SR's rungs for a 12-slot first segment, 40 tokens
 def test_the_first_segment_is_never_shorter_than_asked():
     """Segments are multiples of 8 slots: a minimum of 12 rounds up to 16 (fewer, longer rows), not
     down to 8, so the first decision comes after at least 12 tokens."""

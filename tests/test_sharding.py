@@ -37,6 +37,7 @@ def tokens_of(results):
     return [[s.token_ids for s in r.samples] for r in results]
 
 
+@pytest.mark.slow  # compiles generate on one device and on each of 3 meshes of 8 fake CPUs
 @pytest.mark.parametrize("data,model", MESHES)
 def test_generate_is_the_same_on_any_mesh(lm, data, model):
     kwargs = dict(max_new_tokens=12, num_samples=8, sampling=SAMPLING, seed=3)
@@ -71,6 +72,7 @@ def _decode_on_mesh(lm, prompts: int, samples: int, capacity: int = 32):
     return prefilled[1][0], state, hlo
 
 
+@pytest.mark.slow  # compiles prefill and the decode loop twice on a (4, 2) mesh of fake CPUs
 def test_rows_and_their_caches_are_split_over_data(lm):
     cache, state, _ = _decode_on_mesh(lm, prompts=4, samples=2)
     assert state.tokens.sharding.spec[0] == "data"
@@ -97,6 +99,7 @@ def _gathered_elements(hlo: str) -> list[int]:
     return sizes
 
 
+@pytest.mark.slow  # compiles the decode loop and a compaction on a (4, 2) mesh, reads their HLO
 def test_the_decode_loop_never_moves_a_cache_and_compaction_only_the_survivors(lm):
     _, state, hlo = _decode_on_mesh(lm, prompts=1, samples=8, capacity=64)
     row_cache_layer = state.rows[0].k[0].size
@@ -148,6 +151,7 @@ def test_meshes_jaxsr_cannot_pin_rows_on_are_refused(lm):
         shard_model(lm, jax.sharding.Mesh(devices, ("x", "y")))
 
 
+@pytest.mark.slow  # compiles Best-of-N and SR on one device and on a (4, 2) mesh of fake CPUs
 def test_best_of_n_and_speculative_rejection_are_the_same_on_a_mesh(lm):
     sharded = shard_model(lm, make_mesh(data=4, model=2))
     reward = SelfLikelihood()
@@ -170,6 +174,7 @@ def test_best_of_n_and_speculative_rejection_are_the_same_on_a_mesh(lm):
             ]
 
 
+@pytest.mark.slow  # compiles SCD on one device and on a (4, 2) mesh of fake CPUs
 def test_speculative_contrastive_decoding_is_the_same_on_a_mesh(lm, draft):
     mesh = make_mesh(data=4, model=2)
     kwargs = dict(gamma=3, max_new_tokens=12, num_samples=4, sampling=SAMPLING, seed=2)
@@ -243,6 +248,7 @@ def test_a_derived_search_budget_is_shared_by_the_prompts_in_flight(lm, monkeypa
     assert search_memory.mesh_budget(85, 16, 64, shards=8) == 85  # one device's share when it is more
 
 
+@pytest.mark.slow  # runs SR 3 times, on one device and over data=8 fake CPUs
 def test_a_derived_search_budget_counts_the_data_shards_and_fits_on_each_device(lm, monkeypatch):
     """80 free slots a device: alone (a budget of 80 KV slots) SR starts 4 rows; derived on 8 `data`
     shards 15 (2 a device: each row's working memory counted beside its cache), and no round puts more
@@ -276,6 +282,7 @@ def test_a_derived_search_budget_counts_the_data_shards_and_fits_on_each_device(
     assert wide.best.index == same.best.index
 
 
+@pytest.mark.slow  # compiles Best-of-N at 128 rows over data=8 and at 64 rows on one device
 def test_best_of_n_decodes_as_many_rows_as_the_data_shards_hold(lm):
     """On 8 `data` shards a call decodes 64 rows a shard, not 64 in all: 16 prompts × 8 samples in one
     batch (a job's call takes a whole length class). Same tokens as one device with 64 rows."""
@@ -299,6 +306,7 @@ def test_best_of_n_decodes_as_many_rows_as_the_data_shards_hold(lm):
     ]
 
 
+@pytest.mark.slow  # compiles Best-of-N at 128 and 64 rows and generate at 128
 def test_max_rows_above_the_default_is_what_a_call_decodes(lm):
     """On CPU without a budget, a `max_rows` above the default 64 is taken as given (it caps only a
     budget's rows): Best-of-N and plain decoding decode 128 rows, with the same samples as at 64."""
@@ -317,6 +325,7 @@ def test_max_rows_above_the_default_is_what_a_call_decodes(lm):
 HELD = [(1, (4, 32), 32, 32), (1, (64, 512), 512, 128), (8, (4, 4), 32, 32)]
 
 
+@pytest.mark.slow  # per case: compiles Best-of-N at 64 and at its planned rows, one device or data=8
 @pytest.mark.parametrize(("data", "held", "planned", "rows"), HELD)
 def test_best_of_n_without_a_budget_takes_what_a_device_holds(lm, monkeypatch, data, held, planned, rows):
     """No `memory_budget`, on devices that report their free memory: a Best-of-N call decodes the rows
@@ -352,6 +361,7 @@ def test_best_of_n_without_a_budget_takes_what_a_device_holds(lm, monkeypatch, d
 GENERATE_HELD = [(1, (4, 8), 8, 8), (1, (64, 128), 128, 32), (8, (8, 8), 16, 16)]
 
 
+@pytest.mark.slow  # per case: compiles generate at 3 row counts, one device or data=8
 @pytest.mark.parametrize(("data", "held", "planned", "rows"), GENERATE_HELD)
 def test_generate_without_max_rows_takes_what_a_device_holds(lm, monkeypatch, data, held, planned, rows):
     """No `max_rows`, on devices that report their free memory: plain decoding (and so every decoding
@@ -435,6 +445,7 @@ def test_logits_and_reward_scores_split_their_batch_over_data(lm):
     assert logits.sharding.spec[0] == "data"
 
 
+@pytest.mark.slow  # compiles generate and SR unpadded and padded over data=8 fake CPUs
 def test_batches_are_padded_with_dead_rows_to_split_over_data(lm):
     """5 samples of 3 (→ 4) prompts are 20 rows: padded to 6 per prompt, 24 rows over data=8. An SR
     rung of 10 rows becomes 16. The samples, and SR's choices, are those of the unpadded run."""

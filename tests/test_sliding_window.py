@@ -146,6 +146,7 @@ def _torch_continuations(torch_model, prompts, continuations) -> list[np.ndarray
     return [logits[b, width - len(c) :] for b, c in enumerate(continuations)]
 
 
+@pytest.mark.slow  # 4 windowed HF families: 24 single-token decode calls each, against torch
 @pytest.mark.parametrize("family", WINDOWED)
 def test_decoding_token_by_token_across_the_window_matches_torch(windowed, family):
     """From positions 10 and 7 to 33 and 30: past W (the first prompt keys leave the window) and past
@@ -167,6 +168,7 @@ def test_decoding_token_by_token_across_the_window_matches_torch(windowed, famil
     assert np.abs(got[0] - got[1]).max() > 0.1  # rows of one prompt differ
 
 
+@pytest.mark.slow  # per family and width: compiles 24- and T-token decode calls, against torch
 @pytest.mark.parametrize("T", [3, 5])
 @pytest.mark.parametrize("family", WINDOWED)
 def test_a_multi_token_decode_call_across_the_window_matches_torch(windowed, family, T):
@@ -198,6 +200,7 @@ def test_a_multi_token_decode_call_across_the_window_matches_torch(windowed, fam
 GREEDY = jaxsr.SamplingConfig(temperature=0)
 
 
+@pytest.mark.slow  # per pair: compiles generate and SD of windowed HF models, 24 tokens, and torch's
 @pytest.mark.parametrize(("family", "draft"), [WINDOWED[:2], WINDOWED[1::-1], ("gemma3", "gemma2")])
 def test_greedy_generation_past_the_window_matches_torch_generate(windowed, family, draft):
     """jaxsr.generate and greedy speculative decoding (γ = 4: verify calls of 5 tokens, the draft
@@ -221,6 +224,7 @@ def test_greedy_generation_past_the_window_matches_torch_generate(windowed, fami
         assert spec.samples[0].token_ids == sample.token_ids
 
 
+@pytest.mark.slow  # compiles greedy decoding of a windowed tiny model and two full forwards
 def test_a_tiny_windowed_model_generates_past_its_window():
     lm = tiny_model(sliding_window=8)
     assert lm.config.context == lm.config.max_position_embeddings
@@ -242,6 +246,7 @@ INT8_VS_FLOAT = 0.1
 0.037 (Mistral)."""
 
 
+@pytest.mark.slow  # per family: 24 int8-cache decode calls, a verify call, full forwards and torch's
 @pytest.mark.parametrize("family", ["gemma2", "mistral_window"])
 def test_int8_caches_decode_across_the_window_as_the_int8_full_forward(windowed, family):
     """Gemma 2 (soft-capped, layers 0 and 2 windowed) and Mistral (every layer) with int8 caches:

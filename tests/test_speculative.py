@@ -114,6 +114,7 @@ def test_greedy_speculative_decoding_is_greedy_target_decoding(target, draft, ga
     assert 0 < rate < 1, "the draft must agree only partly for this test to exercise both paths"
 
 
+@pytest.mark.slow  # compiles greedy CD and SCD, and full forwards of both models
 def test_greedy_speculative_contrastive_decoding_is_greedy_contrastive_decoding(target, draft):
     kwargs = dict(max_new_tokens=12, sampling=GREEDY, alpha=0.1, beta=0.5)
     cd = contrastive_decode(target, draft, PROMPTS[:2], **kwargs)
@@ -241,6 +242,7 @@ def test_batch_prediction_limits():
     assert eight < 0.95 * one
 
 
+@pytest.mark.slow  # compiles SD's decode loop at γ = 3 and at γ = 2
 def test_a_second_call_in_the_same_buckets_compiles_nothing(target, draft):
     kwargs = dict(gamma=3, sampling=GREEDY)
     ours = {"prefill", "empty_slab", "insert", "decode_loop"}
@@ -258,6 +260,7 @@ def test_a_second_call_in_the_same_buckets_compiles_nothing(target, draft):
 # -- Speculative Rejection hooks ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # compiles SCD's decode loop, paused, compacted and resumed
 def test_pausing_and_compacting_do_not_change_the_tokens(target, draft):
     """Decode to a pause point, gather rows into another order with one masked, finish: the survivors'
     tokens equal those of an uninterrupted run (what Speculative Rejection over SCD relies on). The

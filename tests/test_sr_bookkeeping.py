@@ -221,6 +221,7 @@ def test_on_a_tpu_row_caches_are_whole_tiles_where_that_stops_no_row():
     assert capacities(684, 0.1, 16, 8)[:8] == [16, 18, 20, 22, 24, 27, 31, 32]
 
 
+@pytest.mark.slow  # per rate (5): SR's rungs of 8 rows for 32 tokens, batch sizes of its own
 @pytest.mark.parametrize("rate", [0.1, 0.3, 0.5, 0.7, 0.9])
 def test_without_eos_every_kept_row_continues(rate):
     lm = tiny_model(seed=0)  # no EOS
@@ -237,6 +238,7 @@ def test_without_eos_every_kept_row_continues(rate):
     assert all(len(s.token_ids) == 32 for s in r.samples)
 
 
+@pytest.mark.slow  # per rate: SR of 16 rows over its own rungs, then Best-of-N
 @pytest.mark.parametrize("rate", [0.1, 0.3, 0.7])
 def test_with_eos_memory_stays_within_budget_and_samples_are_best_of_n_rows(rate):
     lm = tiny_model(seed=0, eos_token_ids=(5,))

@@ -51,6 +51,7 @@ def alone(lm):
     return search(lm, 1)
 
 
+@pytest.mark.slow  # per packing: SR of 6 prompts × 16 rows, 40 tokens, its stacked shapes compiled
 @pytest.mark.parametrize("concurrent", [2, 4, 8])
 def test_packed_prompts_get_the_result_each_gets_alone(lm, alone, concurrent):
     packed = search(lm, concurrent)
@@ -118,6 +119,7 @@ def test_each_prompt_stays_within_its_budget_and_shares_the_wall_time(lm):
     assert sum(r.stats["wall_s"] for r in packed) <= elapsed
 
 
+@pytest.mark.slow  # SR over speculative decoding of 4 prompts, alone and packed 4 at a time
 def test_packed_search_over_speculative_decoding_matches_alone(lm):
     draft = tiny_model(seed=1, eos_token_ids=(5,))
     sampler = jaxsr.speculative_decoder(lm, draft, gamma=2)
@@ -126,6 +128,7 @@ def test_packed_search_over_speculative_decoding_matches_alone(lm):
     assert_same_search(search(sampler, 4, prompts, headroom=3), alone)
 
 
+@pytest.mark.slow  # compiles packed SR's stacked rungs of a 3-layer model, then runs it again
 def test_a_second_packed_call_compiles_nothing_new():
     """Without EOS every prompt of a bucket visits the same rungs, so a call with other prompts of the
     same buckets and another seed stacks the same shapes: nothing compiles again."""

@@ -62,6 +62,7 @@ def test_no_device_path_for_another_vocabulary_or_a_too_long_response(models):
     assert reward.token_scorer(lm, MESSAGES, max_new_tokens=250) is None  # past the 256-token context
 
 
+@pytest.mark.slow  # compiles SR and Best-of-N with a reward model scoring on device
 def test_search_scores_its_decode_buffer_on_device(models, monkeypatch):
     lm, rm = models
     reward = ClassifierReward(rm)

@@ -278,6 +278,7 @@ def test_the_loss_counts_response_tokens_only():
     assert np.all(np.abs(np.asarray(grad)[:, :-1][predicts_response]).sum(-1) > 0)
 
 
+@pytest.mark.slow  # compiles sft_loss and a full forward of a tiny model
 def test_the_loss_on_the_response_window_is_the_loss_over_every_position():
     """sft_loss runs the output layer on the batch's response window only: the same loss as over the
     whole row (responses 5, 9 and 2 tokens: a 16-position window of 32)."""

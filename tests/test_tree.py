@@ -29,6 +29,7 @@ def by_index(result: jaxsr.Result) -> dict[int, jaxsr.Sample]:
     return {s.index: s for s in result.samples}
 
 
+@pytest.mark.slow  # compiles TreeBoN's layers and Best-of-N, 4 prompts × 6 rows
 def test_one_child_per_row_is_best_of_n(lm):
     """branch=1 keeps every unfinished row on its own stream: Best-of-N's samples and choice."""
     kwargs = dict(n=6, max_new_tokens=24, sampling=SAMPLING, seed=4)
@@ -109,6 +110,7 @@ def reference_logprob(model: jaxsr.Model, prompt: list[int], response: list[int]
     return sum(logp[len(prompt) - 1 + t, token] for t, token in enumerate(response))
 
 
+@pytest.mark.slow  # compiles Best-of-N with an implicit reward (a reference model), 3 runs
 def test_the_implicit_reward_is_the_policy_against_its_reference(lm):
     reference = tiny_model(seed=7, eos_token_ids=(3,))
     implicit = ImplicitReward(lm, reference, kind="sum")
@@ -155,6 +157,7 @@ def certainty_of(lm, prompt: list[int], sample: jaxsr.Sample) -> float:
     return float(np.mean(-np.log(logp.shape[-1]) - positions.mean(-1)))
 
 
+@pytest.mark.slow  # per sampler: compiles Best-of-N with self-certainty, then TreeBoN
 @pytest.mark.parametrize("kind", ["plain", "speculative", "contrastive"])
 def test_self_certainty_is_the_mean_kl_from_uniform_of_the_generators_distributions(lm, kind):
     """Summed by the sampler as it samples (a speculative step sums the target's distributions at the
@@ -191,6 +194,7 @@ def test_self_certainty_refuses_responses_it_did_not_see_sampled():
         SelfCertainty().score(candidates)
 
 
+@pytest.mark.slow  # compiles Best-of-N of 4 prompts × 8 rows with an implicit reward
 def test_the_implicit_reward_reads_the_stop_token_each_response_ended_on():
     """A model with two EOS ids (as Llama-3-Instruct and Gemma 2 have): a response that ends on the
     second is compared with the reference on that token, not on the first EOS id."""
@@ -236,6 +240,7 @@ def checkpoint(tmp_path_factory) -> str:
     return str(build_llama_with_tokenizer("LlamaForCausalLM", byte_tokenizer(), directory, 21))
 
 
+@pytest.mark.slow  # per reward: a TreeBoN job on a byte-level Llama from the CLI, then the API
 @pytest.mark.parametrize("reward", ["self_likelihood", "self_certainty"])
 def test_a_tree_job_writes_the_searches_the_api_returns(checkpoint, tmp_path, reward):
     data, output = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"

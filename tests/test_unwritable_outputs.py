@@ -74,6 +74,7 @@ sys.exit(main(["train", "sft", directory + "/sft.yaml", "--no-progress"]))
 """
 
 
+@pytest.mark.slow  # a subprocess imports JAX and trains SFT steps until a checkpoint fails
 def test_checkpoints_that_cannot_be_written_end_in_one_line_and_leave_no_temporary(tmp_path):
     """orbax's writer threads fail on a file they cannot write: one message, not their tracebacks."""
     checkpoint = build_llama_with_tokenizer(
