@@ -12,8 +12,7 @@ CUDA_PLAN_PACKAGES := 'jax-cuda12-plugin==0.10.2' 'jax-cuda12-pjrt==0.10.2' 'nvi
 .PHONY: setup setup-test demo test test-fast coverage docs lint lock wheel clean
 
 # Two environments in one venv, each installed once: `make demo` needs only jaxsr and the embedded models;
-# `make test`, `make docs` and `make lint` add the test oracle (torch), the docs tools and the plan
-# toolchains on top.
+# `make test`, `make docs` and `make lint` add the test tools, the docs tools and the plan toolchains on top.
 $(BIN)/jaxsr: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt --upgrade pip

@@ -7,7 +7,11 @@ and, for Llama, q/k rows interleaved per head. The torch model is then the parit
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -249,6 +253,42 @@ def left_pad(rows: list[list[int]], pad: int, width: int | None = None) -> tuple
         tokens[b, width - len(row) :] = row
         mask[b, width - len(row) :] = 1
     return tokens, mask
+
+
+# SmolLM2's GGUF tokenizer as a process without torch prints it (transformers' GGUF reader imports torch)
+WITHOUT_TORCH = """
+import hashlib, json, sys
+sys.modules["torch"] = None  # any import of torch now fails
+from jaxsr.loading.gguf import read_gguf, smollm2_path
+_, _, tokenizer = read_gguf(smollm2_path())
+messages = [{"role": "user", "content": "Hi"}]
+print(json.dumps({
+    "backend": hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest(),
+    "specials": [tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token, tokenizer.pad_token],
+    "add_bos_token": tokenizer.add_bos_token,
+    "chat": tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+    "name": tokenizer.name_or_path,
+}))
+"""
+
+
+@pytest.mark.slow  # reads SmolLM2's 49k-token vocabulary twice: without torch, and by transformers
+def test_a_gguf_tokenizer_is_read_without_torch_as_transformers_reads_it():
+    from transformers import AutoTokenizer
+
+    path = smollm2_path()
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TORCH], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours = json.loads(done.stdout.strip().splitlines()[-1])
+    theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ours == {
+        "backend": hashlib.sha256(theirs.backend_tokenizer.to_str().encode()).hexdigest(),
+        "specials": [theirs.bos_token, theirs.eos_token, theirs.unk_token, theirs.pad_token],
+        "add_bos_token": theirs.add_bos_token,
+        "chat": theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        "name": str(path),  # errors name the file
+    }
 
 
 @pytest.mark.slow

@@ -341,20 +341,55 @@ def _gemma_config(
     return fields
 
 
-def _load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
+def _field_value(field: ReaderField) -> Any:
+    """A metadata field as Python: text, a number, or a list of them (an array field)."""
+    kind = field.types[0]
+    if kind == GGUFValueType.ARRAY:
+        return [_part_value(field.parts[i], field.types[-1]) for i in field.data]
+    return _part_value(field.parts[field.data[0]], kind)
+
+
+def _part_value(part: np.ndarray, kind: GGUFValueType) -> Any:
+    return bytes(part).decode("utf-8") if kind == GGUFValueType.STRING else part.item()
+
+
+def _load_tokenizer(meta: _Metadata) -> Any:
+    """The file's tokenizer with its chat template, as transformers builds a GGUF file's tokenizer
+    (`AutoTokenizer.from_pretrained(..., gguf_file=...)`): its mapping of the `tokenizer.*` fields and
+    its converter, fed from the `gguf` package's reader, since transformers' own reader needs torch."""
+    from transformers import TokenizersBackend
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        _SPECIAL_TOKENS,
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
 
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:  # transformers' GGUF tokenizer reader raises many types for bad metadata
-        raise CheckpointError(f"{path}: the tokenizer metadata cannot be read: {e}") from e
+        fields = {key: _field_value(f) for key, f in meta.fields.items() if key.startswith("tokenizer.")}
+        groups = {
+            group: {name: fields[k] for key, name in names.items() if (k := f"tokenizer.{key}") in fields}
+            for group, names in GGUF_TOKENIZER_MAPPING.items()
+        }
+        vocabulary, settings = groups["tokenizer"], groups["tokenizer_config"]
+        if vocabulary.get("tokenizer_type") == "llama":  # llama.cpp adds BOS unless the file says otherwise
+            settings.setdefault("add_bos_token", True)
+        elif vocabulary.get("tokenizer_type") == "gemma4":  # its chat template writes <bos> itself
+            settings["add_bos_token"] = False
+        for name, key in _SPECIAL_TOKENS.items():
+            token_id = fields.get(f"tokenizer.ggml.{key}")
+            settings[name] = vocabulary["tokens"][token_id] if token_id is not None else None
+        backend, extra = convert_gguf_tokenizer(meta.require("general.architecture"), vocabulary)
+        return TokenizersBackend(tokenizer_object=backend, name_or_path=str(meta.path), **settings, **extra)
+    except Exception as e:  # bad metadata fails in many ways inside transformers' converter
+        raise CheckpointError(f"{meta.path}: the tokenizer metadata cannot be read: {e}") from e
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], Mapping[str, np.ndarray], Any]:
     """(Hugging Face config dict, HF-named float32 tensors, transformers tokenizer or None) of a GGUF file.
 
     Tensors are dequantised lazily, as `convert_hf_tensors` reads them. The tokenizer (with the chat
-    template) comes from transformers' GGUF support; a file without tokenizer metadata gives None.
+    template) is built as transformers builds it (`_load_tokenizer`); a file without tokenizer metadata
+    gives None.
     """
     path = Path(path)
     reader = _open(path)
@@ -375,6 +410,6 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], Mapping[str, np.ndarray
     qk_heads = {}
     if arch in PERMUTED_QK:
         qk_heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    tokenizer = _load_tokenizer(path) if "tokenizer.ggml.model" in meta.fields else None
+    tokenizer = _load_tokenizer(meta) if "tokenizer.ggml.model" in meta.fields else None
     norm_shift = 1.0 if arch in NORM_SHIFTED else 0.0
     return config, GGUFTensors(path, tensors, qk_heads, norm_shift), tokenizer
