@@ -171,11 +171,8 @@ class _Metadata:
         kind = field.types[0]
         if kind == GGUFValueType.ARRAY:
             raise CheckpointError(f"{self.path}: metadata {key!r} is an array; jaxsr expects one value")
-        value = field.parts[field.data[0]]
-        if kind != GGUFValueType.STRING:
-            return value.item()
         try:
-            return bytes(value).decode("utf-8")
+            return _part_value(field.parts[field.data[0]], kind)
         except UnicodeDecodeError:
             raise CheckpointError(f"{self.path}: metadata {key!r} is not UTF-8 text") from None
 
