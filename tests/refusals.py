@@ -28,7 +28,7 @@ def no_decoding(monkeypatch):
     monkeypatch.setattr(Sampler, "prefill", refuse)
 
 
-class _Returns:
+class Returns:
     """A custom reward that returns `value` for any candidates."""
 
     name, token_forwards = "fixed", 0

@@ -15,7 +15,7 @@ import pytest
 import refusals
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from refusals import _Returns
+from refusals import Returns
 from tiny import tiny_model
 
 import jaxsr
@@ -284,7 +284,7 @@ EDGES = {
 @pytest.mark.parametrize(("call", "kwargs", "error", "named"), list(EDGES.values()), ids=list(EDGES))
 def test_edge_values_are_refused_by_name(lm, draft, call, kwargs, error, named):
     if kwargs.get("reward") == "scalar":
-        kwargs = {**kwargs, "reward": _Returns(5)}
+        kwargs = {**kwargs, "reward": Returns(5)}
     with pytest.raises(error) as info:
         call(lm, draft, **kwargs)
     assert str(info.value).startswith(named), str(info.value)

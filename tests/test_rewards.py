@@ -13,7 +13,7 @@ import pytest
 import refusals
 import torch
 import transformers
-from refusals import _Returns
+from refusals import Returns
 from tiny import tiny_model
 from tolerance import assert_same_sample
 
@@ -342,13 +342,13 @@ def test_a_reward_that_returns_no_real_numbers_is_refused_before_decoding(lm, no
     """A reward of the user's own scores two stand-in responses first: one that could not rank the
     searched responses is refused before any decoding, naming it."""
     with pytest.raises(ValueError, match=r"^reward: fixed (returned|raised KeyError).*stand-in"):
-        getattr(jaxsr, search)(lm, _Returns(value), [[1, 2]], n=2, max_new_tokens=2)
+        getattr(jaxsr, search)(lm, Returns(value), [[1, 2]], n=2, max_new_tokens=2)
 
 
 def test_a_reward_without_a_callable_score_is_refused(lm):
-    broken = _Returns(None)
+    broken = Returns(None)
     broken.score = 5
-    with pytest.raises(TypeError, match="reward: _Returns's `score` must be a method"):
+    with pytest.raises(TypeError, match="reward: Returns's `score` must be a method"):
         jaxsr.best_of_n(lm, broken, [[1, 2]], n=2, max_new_tokens=2)
 
 
