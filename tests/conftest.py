@@ -2,7 +2,14 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA:CPU compiles without LLVM's optimisations and with its older, quicker-to-compile fusion emitters:
+# the suite's programs are tiny and mostly run a few times, so compiling is most of its time (half of it
+# with these two). TPU and GPU plans are compiled by their own backends, which these flags do not reach.
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    " --xla_cpu_use_fusion_emitters=false",
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -19,13 +26,14 @@ os.environ.setdefault(
 )
 
 # XLA's persistent compilation cache, shared by the test workers and every process they start (README
-# blocks, notebooks, the CLI): they compile the same SmolLM2 programs, each for seconds. Programs that
-# compile in under a second are not stored (JAX's default). A size limit turns on JAX's file lock, so
-# concurrent workers never read a half-written entry.
+# blocks, notebooks, the CLI): they compile the same SmolLM2 programs again and again. Programs that
+# compile in under 0.2 s are not stored. A size limit turns on JAX's file lock, so concurrent workers
+# never read a half-written entry.
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla")
 )
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 * 2**30))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax
 import pytest
