@@ -13,30 +13,26 @@ import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
-import jax
-
-from jaxsr.jobs.config import load_job_config
-from jaxsr.jobs.demo import run_demo
-from jaxsr.jobs.export import PAIRS, export
-from jaxsr.jobs.methods import build_solver
-from jaxsr.jobs.report import summarize, write_report
-from jaxsr.jobs.runner import run_job
-from jaxsr.loading.param_cache import cache_root
-from jaxsr.plans import plan_dict, plan_job, plan_table, target
-from jaxsr.training import distill, load_distill_config, load_sft_config, sft
+# Parsing and `--help` import no jax: each command imports what it runs inside its own functions (jax,
+# and transformers where a model is read, take seconds to import).
 
 TRAINERS = {
-    "sft": (load_sft_config, sft, "supervised fine-tuning on the chosen responses of a results JSONL",
-            "SFTConfig", "the fine-tuned model's directory"),
-    "distill": (load_distill_config, distill, "distil a draft/amateur from a teacher's own samples",
-                "DistillConfig", "the draft's directory"),
+    "sft": ("supervised fine-tuning on the chosen responses of a results JSONL", "SFTConfig",
+            "the fine-tuned model's directory"),
+    "distill": ("distil a draft/amateur from a teacher's own samples", "DistillConfig",
+                "the draft's directory"),
 }  # fmt: skip
-"""`jaxsr train STAGE`: (read the config, run it, help, config class, what it prints)."""
+"""`jaxsr train STAGE`: (help, config class, what it prints)."""
+PAIRS = ("best_vs_worst", "best_vs_random")
+"""`jaxsr export --pairs`: `jobs.export.PAIRS` written out, since importing that module imports jax (a
+test holds the two equal)."""
 
 
 def join_processes(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
     """Join a multi-process job (`jax.distributed`); the arguments are auto-detected on TPU pods and
     SLURM/MPI clusters when left out."""
+    import jax
+
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
@@ -51,6 +47,10 @@ def use_compilation_cache() -> None:
     place or JAXSR_CACHE_DIR is off. An entry that cannot be written (a full disk) or read (one a full
     disk cut short) is skipped without a warning per program: the run needs no cache (it compiles
     instead), and a file it does need names the problem itself."""
+    import jax
+
+    from jaxsr.loading.param_cache import cache_root
+
     if jax.config.jax_compilation_cache_dir is None and cache_root() is not None:
         jax.config.update("jax_compilation_cache_dir", str(Path.home() / ".cache" / "jaxsr" / "xla"))
     warnings.filterwarnings("ignore", message="Error (writing|reading) persistent compilation cache entry")
@@ -71,6 +71,13 @@ class _Parser(argparse.ArgumentParser):
 
 def run(config_path: str | None, overrides: list[str], progress: bool = True) -> Path:
     """Run a job; process 0 then writes its report beside the output. Returns the output's path."""
+    import jax
+
+    from jaxsr.jobs.config import load_job_config
+    from jaxsr.jobs.methods import build_solver
+    from jaxsr.jobs.report import write_report
+    from jaxsr.jobs.runner import run_job
+
     config = load_job_config(config_path, overrides)
     output = run_job(config, build_solver, progress=progress)
     if jax.process_index() == 0:
@@ -80,6 +87,8 @@ def run(config_path: str | None, overrides: list[str], progress: bool = True) ->
 
 def report(output: str, directory: str | None) -> Path:
     """Print a job output's summary table and write its report (plots and one HTML page)."""
+    from jaxsr.jobs.report import summarize, write_report
+
     print(summarize(output).table())
     return write_report(output, directory)
 
@@ -89,6 +98,9 @@ def plan(
 ) -> str:
     """A job's plan for a TPU slice or a GPU host as a table (and as JSON at `json_path`); `planning`:
     `plan_job`'s prompt_tokens, layers and all_rungs."""
+    from jaxsr.jobs.config import load_job_config
+    from jaxsr.plans import plan_dict, plan_job, plan_table, target
+
     quiet_libtpu(target_name)
     job = plan_job(load_job_config(config_path, overrides), target(target_name), **planning)
     if json_path is not None:
@@ -187,18 +199,20 @@ def _add_export(commands: Any) -> None:
         help="keep pairs whose score margin is at least this (and > 0)",
     )
     parser.add_argument(
-        "--finished-only",
+        "--keep-truncated",
         action="store_true",
-        help="only responses that ended on their own (not at the limit)",
+        help="also answer and choose with responses cut at max_new_tokens (default: the best finished one)",
     )
     parser.add_argument("--seed", type=int, default=0, help="best_vs_random's draws (default 0)")
     parser.set_defaults(handle=_export_command)
 
 
 def _export_command(args: argparse.Namespace) -> None:
+    from jaxsr.jobs.export import export
+
     for written in export(
         args.output, sft=args.sft, preference=args.preference, pairs=args.pairs,
-        min_margin=args.min_margin, finished_only=args.finished_only, seed=args.seed,
+        min_margin=args.min_margin, keep_truncated=args.keep_truncated, seed=args.seed,
     ):  # fmt: skip
         print(written.summary())
 
@@ -225,6 +239,8 @@ def _add_demo(commands: Any) -> None:
 
 
 def _demo_command(args: argparse.Namespace) -> None:
+    from jaxsr.jobs.demo import run_demo
+
     run_demo(
         args.output_dir, prompts=args.prompts, max_new_tokens=args.max_new_tokens, ns=args.n,
         rejection_rate=args.rejection_rate, gamma=args.gamma, seed=args.seed,
@@ -235,7 +251,7 @@ def _demo_command(args: argparse.Namespace) -> None:
 def _add_train(commands: Any) -> None:
     parser = commands.add_parser("train", help="fine-tune a model on a job's results, or distil a draft")
     stages = parser.add_subparsers(dest="stage", required=True)
-    for stage, (_, _, what, config_class, prints) in TRAINERS.items():
+    for stage, (what, config_class, prints) in TRAINERS.items():
         stage_parser = stages.add_parser(
             stage,
             help=what,
@@ -248,7 +264,12 @@ def _add_train(commands: Any) -> None:
 
 
 def _train_command(args: argparse.Namespace) -> None:
-    load, train = TRAINERS[args.stage][:2]
+    from jaxsr import training
+
+    load, train = {
+        "sft": (training.load_sft_config, training.sft),
+        "distill": (training.load_distill_config, training.distill),
+    }[args.stage]
     print(train(load(args.config, args.overrides), progress=not args.no_progress))
 
 

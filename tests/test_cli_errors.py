@@ -57,6 +57,33 @@ def test_ctrl_c_ends_with_one_line_and_exit_code_130(monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "run_job", interrupted)
+    monkeypatch.setattr("jaxsr.jobs.runner.run_job", interrupted)
     assert cli.main(["run", "configs/generate_alpaca.yaml", "--no-progress"]) == 130
     assert capsys.readouterr().err == "jaxsr: interrupted\n"
+
+
+def test_parsing_and_help_import_no_jax_nor_transformers():
+    """`jaxsr --help` and every subcommand's answer in well under a second: the command's modules (jax,
+    transformers: seconds to import) are imported by the command itself, not by parsing."""
+    import subprocess
+    import sys
+
+    code = """
+import contextlib, io, sys
+from jaxsr import cli
+for argv in (["--help"], *([c, "--help"] for c in ("run", "report", "export", "demo", "plan")),
+             ["train", "sft", "--help"], ["train", "distill", "--help"]):
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+        cli.main(argv)
+    assert out.getvalue().startswith("usage: jaxsr"), argv
+print(sorted(m for m in ("jax", "flax", "transformers", "torch", "numpy") if m in sys.modules))
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout == "[]\n", done.stderr
+
+
+def test_the_export_commands_pairs_are_the_exports():
+    from jaxsr.jobs import export
+
+    assert cli.PAIRS == export.PAIRS
