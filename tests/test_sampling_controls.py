@@ -459,7 +459,7 @@ def test_stop_strings_hold_in_speculative_decoding_and_the_searches(byte_lm):
         assert any(s.stop_string is not None for s in search[0].samples)
 
 
-@pytest.mark.parametrize("bad", ["e", [""], [3]])
+@pytest.mark.parametrize("bad", [b"e", "", [""], [3]])
 def test_bad_stop_strings_are_refused_naming_stop(byte_lm, bad):
     with pytest.raises((TypeError, ValueError), match="stop"):
         jaxsr.generate(byte_lm, ["hi"], max_new_tokens=4, stop=bad)

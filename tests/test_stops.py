@@ -14,6 +14,7 @@ from hf_fixtures import byte_tokenizer
 
 import jaxsr
 from jaxsr.decoding.stops import StopStrings, advance, cut, initial_tail, stop_strings
+from jaxsr.jobs.config import JobConfig, load_job_config
 from jaxsr.loading.gguf import smollm2_path
 
 CHARS = "ab é€😀\n"
@@ -242,7 +243,8 @@ def test_cut_matches_python():
     [
         ([""], ValueError, "stop: expected non-empty strings, got ''"),
         (["a", 3], TypeError, "stop: expected non-empty strings, got int"),
-        ("a", TypeError, "stop: expected a list of strings, got str"),
+        (b"a", TypeError, "stop: expected a string or a list of strings, got bytes"),
+        (3, TypeError, "stop: expected a string or a list of strings, got int"),
     ],
 )
 def test_bad_stops_refused(stops, error, message):
@@ -250,6 +252,29 @@ def test_bad_stops_refused(stops, error, message):
         stop_strings(byte_tokenizer(), 259, stops)
     with pytest.raises(error, match=message):
         cut("text", stops)
+
+
+def test_one_string_is_a_list_of_one():
+    """`stop="\\n"`, as vLLM and transformers take it, in the Python API and a job's config alike."""
+    tokenizer = byte_tokenizer()
+    one, listed = stop_strings(tokenizer, 259, "\n"), stop_strings(tokenizer, 259, ["\n"])
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), one, listed))
+    assert cut("a line\nmore", "\n") == ("a line", "\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "refused"),
+    [('"\\n"', None), ('["\\n"]', None), ("''", "stop: expected non-empty strings"), ("3", "stop: expected")],
+)
+def test_a_jobs_stop_is_one_string_or_a_list(tmp_path, text, refused):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"stop: {text}\n")
+    if refused is not None:
+        with pytest.raises(ValueError, match=refused):
+            load_job_config(path)
+        return
+    config = load_job_config(path)
+    assert config.stop == ["\n"] and config.fingerprint() == JobConfig(stop=["\n"]).fingerprint()
 
 
 def test_no_stops_and_no_tokenizer():

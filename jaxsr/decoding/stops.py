@@ -43,11 +43,14 @@ class StopStrings:
 
 
 def check_stops(stops: Any) -> tuple[str, ...]:
-    """`stops` as a tuple of distinct non-empty strings (None: none)."""
+    """`stops` as a tuple of distinct non-empty strings (None: none; one string: a list of one, as vLLM
+    and transformers take it)."""
     if stops is None:
         return ()
-    if isinstance(stops, str | bytes) or not isinstance(stops, Sequence):
-        raise TypeError(f"stop: expected a list of strings, got {type(stops).__name__}")
+    if isinstance(stops, str):
+        stops = [stops]
+    if isinstance(stops, bytes) or not isinstance(stops, Sequence):
+        raise TypeError(f"stop: expected a string or a list of strings, got {type(stops).__name__}")
     for s in stops:
         if not isinstance(s, str):
             raise TypeError(f"stop: expected non-empty strings, got {type(s).__name__}")

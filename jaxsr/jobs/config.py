@@ -136,8 +136,9 @@ class JobConfig:
     """Token ids never drawn."""
     stop_token_ids: list[int] | None = None
     """Ids that end a response besides the model's EOS ids."""
-    stop: list[str] | None = None
-    """Strings that end a response where its text shows one (the stored text cut before it)."""
+    stop: str | list[str] | None = None
+    """Strings that end a response where its text shows one (the stored text cut before it); one string
+    is a list of one."""
     num_samples: int = 1
     max_rows: int | None = None
     """Most rows decoded together (generate, two-model methods, best_of_n; None: what a GPU's or TPU's
@@ -224,6 +225,8 @@ class JobConfig:
         if self.min_keep not in (0, 1):
             raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {self.min_keep}")
         self.sampling()
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]  # one job, resumed alike, whichever way it is written
         if "" in (self.stop or ()):
             raise ValueError("stop: expected non-empty strings, got ''")
         check_kv_dtype(self.kv_dtype)
