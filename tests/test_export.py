@@ -1,6 +1,6 @@
 """`jaxsr.jobs.export`: a job's output as TRL's conversational SFT and preference sets. A real Best-of-N
 job's export loads with `datasets` in TRL's columns and TRL reads it as conversations; the pair rules,
-the carried fields and the refusals on hand-made records."""
+responses cut at max_new_tokens, the carried fields and the refusals on hand-made records."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import hf_fixtures as H
 import pytest
 
+from jaxsr.cli import main
 from jaxsr.jobs.config import JobConfig
-from jaxsr.jobs.export import PairRule, export, pick_pair, preference_row, sft_row
+from jaxsr.jobs.export import CUT, OUTSCORED, PairRule, export, pick_pair, preference_row, sft_row
 from jaxsr.jobs.methods import build_solver
 from jaxsr.jobs.runner import run_job
 from jaxsr.text import as_messages
@@ -35,6 +36,13 @@ def record(index: int, scores: list[float | None], prompt="Question?", **fields)
     return {"index": index, "prompt": prompt, "samples": samples, "best": best, "stats": {}, **fields}
 
 
+def cut(record: dict, *indices: int) -> dict:
+    """`record` with its samples `indices` cut at max_new_tokens (its best too, when one of them)."""
+    for i in indices:
+        record["samples"][i]["finished"] = False  # `best` is the same object as its sample
+    return record
+
+
 def write_output(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -44,10 +52,20 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def pair_of(scores: list[float | None], **rule) -> tuple[str, str] | str:
-    """(chosen text, rejected text) of a record with these scores, or why it gave no pair."""
-    row = preference_row(record(0, scores), PairRule(**rule))
-    return row if isinstance(row, str) else (row["chosen"][0]["content"], row["rejected"][0]["content"])
+def pair_of(scores: list[float | None], cuts: tuple[int, ...] = (), **rule) -> tuple[str, str] | str:
+    """(chosen text, rejected text) of a record with these scores and these samples cut at
+    max_new_tokens, or why it gave no pair."""
+    made = preference_row(cut(record(0, scores), *cuts), PairRule(**rule))
+    if isinstance(made, str):
+        return made
+    row, _ = made
+    return row["chosen"][0]["content"], row["rejected"][0]["content"]
+
+
+def answer_of(record: dict, keep_truncated: bool = False) -> str:
+    """The SFT answer of `record`, or why it gave none."""
+    made = sft_row(record, keep_truncated)
+    return made if isinstance(made, str) else made[0]["messages"][-1]["content"]
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +90,10 @@ def job_output(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(job_output, tmp_path_factory) -> tuple[Path, Path]:
-    """The job output's SFT and preference sets (best_vs_worst)."""
+    """The job output's SFT and preference sets (best_vs_worst), cut responses kept: a random model's
+    answers mostly run to max_new_tokens, and the layouts are what is tested."""
     root = tmp_path_factory.mktemp("exported")
-    sets = export(job_output, sft=root / "sft.jsonl", preference=root / "pref.jsonl")
+    sets = export(job_output, sft=root / "sft.jsonl", preference=root / "pref.jsonl", keep_truncated=True)
     assert [(s.kind, s.records) for s in sets] == [("preference", 4), ("sft", 4)]
     assert sets[1].rows == 4 and sets[1].skipped == {}
     assert sets[1].summary() == f"sft: wrote 4 rows of 4 records to {root / 'sft.jsonl'}"
@@ -136,7 +155,7 @@ def test_trl_reads_both_sets_as_conversations_with_the_generators_prompt(exporte
 def test_best_vs_random_sets_are_a_function_of_the_seed(job_output, tmp_path):
     def pairs(seed: int) -> list[tuple[str, str]]:
         path = tmp_path / f"seed{seed}.jsonl"
-        export(job_output, preference=path, pairs="best_vs_random", seed=seed)
+        export(job_output, preference=path, pairs="best_vs_random", seed=seed, keep_truncated=True)
         return [(row["chosen"][0]["content"], row["rejected"][0]["content"]) for row in read_rows(path)]
 
     assert pairs(3) == pairs(3)
@@ -178,17 +197,111 @@ def test_margins_ties_and_scoreless_records_give_no_pair():
     assert pair_of([None, None]) == "without a scored sample"
 
 
-def test_finished_only_pairs_and_learns_finished_responses_only():
-    unfinished_best = record(0, [3.0, 1.0, 0.0])
-    unfinished_best["samples"][0]["finished"] = False
-    unfinished_best["best"]["finished"] = False
-    row = preference_row(unfinished_best, PairRule(finished_only=True))
-    assert (row["chosen"][0]["content"], row["rejected"][0]["content"]) == ("s1", "s2")
-    assert preference_row(unfinished_best, PairRule())["chosen"][0]["content"] == "s0"
-    assert sft_row(unfinished_best, finished_only=True) == "whose best did not finish"
-    assert sft_row(unfinished_best, finished_only=False)["messages"][-1]["content"] == "s0"
-    unfinished_best["samples"][1]["finished"] = False
-    assert preference_row(unfinished_best, PairRule(finished_only=True)) == "with one scored sample"
+# -- responses cut at max_new_tokens -----------------------------------------------------------------
+def test_a_cut_best_gives_way_to_the_best_finished_sample_as_answer_and_chosen():
+    assert answer_of(cut(record(0, [3.0, 1.0, 2.0, 0.0]), 0)) == "s2"
+    assert answer_of(cut(record(0, [3.0, 2.0, 2.0, 0.0]), 0)) == "s1"  # a tie: the first
+    assert answer_of(cut(record(0, [3.0, 1.0, 2.0]), 1)) == "s0"  # a finished best stays
+    assert pair_of([3.0, 1.0, 2.0, 0.0], cuts=(0,)) == ("s2", "s3")
+    assert pair_of([3.0, 2.0, 2.0, 0.0], cuts=(0,)) == ("s1", "s3")
+    # a cut response may be the rejected one, when scored no higher than the chosen
+    assert pair_of([3.0, 1.0, 2.0, 0.0], cuts=(0, 3)) == ("s2", "s3")
+    # with keep_truncated, the best as it is
+    assert answer_of(cut(record(0, [3.0, 1.0, 2.0, 0.0]), 0), keep_truncated=True) == "s0"
+    assert pair_of([3.0, 1.0, 2.0, 0.0], cuts=(0,), keep_truncated=True) == ("s0", "s3")
+
+
+def test_which_rows_stand_in_for_a_cut_best_is_told():
+    assert sft_row(cut(record(0, [3.0, 2.0]), 0), keep_truncated=False)[1] is True
+    assert sft_row(cut(record(0, [3.0, 2.0]), 1), keep_truncated=False)[1] is False
+    assert sft_row(cut(record(0, [3.0, 2.0]), 0), keep_truncated=True)[1] is False
+    assert preference_row(cut(record(0, [3.0, 2.0, 1.0]), 0), PairRule())[1] is True
+    assert preference_row(cut(record(0, [3.0, 2.0, 1.0]), 1), PairRule())[1] is False
+    assert preference_row(cut(record(0, [3.0, 2.0, 1.0]), 0), PairRule(keep_truncated=True))[1] is False
+
+
+def test_a_record_without_a_finished_response_gives_no_answer_and_no_chosen():
+    assert answer_of(cut(record(0, [3.0, 1.0]), 0, 1)) == CUT
+    assert pair_of([3.0, 1.0], cuts=(0, 1)) == CUT
+    assert answer_of(cut(record(0, [3.0, 1.0]), 0, 1), keep_truncated=True) == "s0"
+    assert pair_of([3.0, 1.0], cuts=(0, 1), keep_truncated=True) == ("s0", "s1")
+    unknown = record(0, [3.0, 1.0])  # a sample that does not say it finished is taken as cut
+    for s in unknown["samples"]:
+        del s["finished"]
+    assert answer_of(unknown) == CUT
+    # the one finished response scored under every cut one: no rejected scored at most the chosen
+    assert pair_of([3.0, 2.0, 1.0], cuts=(0, 1)) == OUTSCORED
+    assert pair_of([3.0, 2.0, 1.0], cuts=(0, 1), keep_truncated=True) == ("s0", "s2")
+
+
+def test_best_vs_random_draws_no_rejected_scored_above_a_finished_chosen():
+    scored = [(x, sample(f"s{i}", x, finished=i != 0)) for i, x in enumerate([3.0, 0.0, 2.0, 1.0])]
+    rule = PairRule(pairs="best_vs_random", seed=7)
+    pairs = [pick_pair(scored, rule, index) for index in range(100)]
+    drawn = {(chosen[1]["text"], rejected[1]["text"]) for chosen, rejected in pairs}
+    assert drawn == {("s2", "s1"), ("s2", "s3")}  # never the cut s0, scored above the chosen
+
+
+def test_a_record_that_kept_its_best_alone_answers_with_it_only_when_it_finished():
+    """A job with `keep_samples: false` stores the best as the only sample."""
+    kept_alone = record(0, [2.0])
+    assert answer_of(kept_alone) == "s0"
+    assert answer_of(cut(kept_alone, 0)) == CUT
+    assert answer_of(kept_alone, keep_truncated=True) == "s0"
+
+
+def test_the_export_tells_rows_that_stand_in_and_records_left_out(tmp_path, capsys):
+    rows = [
+        record(0, [1.0, 0.0], id="finished"),
+        cut(record(1, [3.0, 1.0, 0.0], id="best cut"), 0),
+        cut(record(2, [3.0, 1.0], id="all cut"), 0, 1),
+    ]
+    output = write_output(tmp_path / "job.jsonl", rows)
+    sft, pref = tmp_path / "sft.jsonl", tmp_path / "pref.jsonl"
+    sets = export(output, sft=sft, preference=pref)
+    assert [(s.kind, s.rows, s.replaced, s.skipped) for s in sets] == [
+        ("preference", 2, 1, {CUT: 1}),
+        ("sft", 2, 1, {CUT: 1}),
+    ]
+    assert [r["messages"][-1]["content"] for r in read_rows(sft)] == ["s0", "s1"]
+    assert [(r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in read_rows(pref)] == [
+        ("s0", "s1"),
+        ("s1", "s2"),
+    ]
+    assert sets[1].summary() == (
+        f"sft: wrote 2 rows of 3 records to {sft} (1 with the best finished response in place of a best cut "
+        "at max_new_tokens); skipped 1 record with no finished response, all cut at max_new_tokens"
+    )
+    # the command prints each set's summary; --keep-truncated exports the cut best as it is
+    assert main(["export", str(output), "--sft", str(sft)]) == 0
+    assert capsys.readouterr().out == sets[1].summary() + "\n"
+    assert (
+        main(["export", str(output), "--sft", str(sft), "--preference", str(pref), "--keep-truncated"]) == 0
+    )
+    assert capsys.readouterr().out.splitlines() == [
+        f"preference: wrote 3 rows of 3 records to {pref}",
+        f"sft: wrote 3 rows of 3 records to {sft}",
+    ]
+    assert [r["messages"][-1]["content"] for r in read_rows(sft)] == ["s0", "s0", "s0"]
+    assert [r["chosen"][0]["content"] for r in read_rows(pref)] == ["s0", "s0", "s0"]
+
+
+def test_a_set_whose_every_response_was_cut_is_refused_saying_so(tmp_path, capsys):
+    output = write_output(tmp_path / "job.jsonl", [cut(record(i, [1.0, 0.0]), 0, 1) for i in range(2)])
+    for kind in ("sft", "preference"):
+        with pytest.raises(ValueError) as refused:
+            export(output, **{kind: tmp_path / f"{kind}.jsonl"})
+        assert str(refused.value) == (
+            f"{kind}: no row from {output} (2 records with no finished response, all cut at "
+            "max_new_tokens); a response cut at max_new_tokens would teach a model to stop mid-sentence: "
+            "run the job with a larger max_new_tokens, or export cut responses as they are with "
+            "keep_truncated (--keep-truncated)"
+        )
+    assert main(["export", str(output), "--sft", str(tmp_path / "sft.jsonl")]) == 2
+    assert "(--keep-truncated)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.jsonl"]
+    with pytest.raises(SystemExit):  # the flag it replaced is gone
+        main(["export", str(output), "--sft", str(tmp_path / "sft.jsonl"), "--finished-only"])
 
 
 def test_prompts_become_conversations_and_input_fields_are_carried(tmp_path):
@@ -253,7 +366,7 @@ def test_a_torn_last_line_is_left_out(tmp_path):
         ({"sft": "sft.jsonl", "min_margin": math.nan}, "min_margin: expected a finite number"),
         ({"sft": "sft.jsonl", "min_margin": "0.1"}, "min_margin: expected a number"),
         ({"sft": "sft.jsonl", "seed": -1}, "seed: expected an int"),
-        ({"sft": "sft.jsonl", "finished_only": "yes"}, "finished_only: expected True or False"),
+        ({"sft": "sft.jsonl", "keep_truncated": "yes"}, "keep_truncated: expected True or False"),
     ],
 )
 def test_bad_arguments_are_refused_naming_them_before_anything_is_written(tmp_path, keys, message):

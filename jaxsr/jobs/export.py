@@ -8,10 +8,15 @@ highest-scored sample with the lowest-scored other one (`best_vs_worst`) or with
 from (seed, prompt index) (`best_vs_random`); a pair is kept when its margin is positive and at least
 `min_margin` (a tie states no preference). Unscored samples and those with a non-finite score are never
 paired; the partial responses Speculative Rejection stopped (`rejected`) neither: their scores judge a
-prefix (and a job run with `keep_samples: false` kept the best alone: it gives no pair). With
-`finished_only`, only responses that ended on their own count: an SFT row's best, and the samples a pair
-is drawn from. A response is a complete assistant turn to a trainer (TRL and `jaxsr train sft` learn its
-end of turn too), hence `finished_only` for jobs whose `max_new_tokens` cut many. The fields a record
+prefix (and a job run with `keep_samples: false` kept the best alone: it gives no pair).
+
+A response is a complete assistant turn to a trainer (TRL and `jaxsr train sft` close it with an end of
+turn and learn it), so one cut at `max_new_tokens` (not `finished`) would teach a model to stop
+mid-sentence: it is never an SFT answer nor a pair's chosen. The best response that finished stands in
+for a cut best (the highest-scored finished sample, the first of a tie); a record with none is left out
+(counted), as is a `keep_samples: false` record whose best was cut. A cut response may be a pair's
+rejected one, when scored no higher than the chosen: training pushes it down, which teaches nothing
+wrong. `keep_truncated` exports cut responses as any other (the best as it is). The fields a record
 carries from its input record (an `id`, …) are carried into its rows.
 
 The output is read a line at a time (outputs can be gigabytes) and only its complete records (a running
@@ -52,6 +57,13 @@ Row = dict[str, Any]
 Scored = tuple[float, Row]
 Skip = str
 """Why a record gives no row (counted by reason)."""
+Made = tuple[Row, bool] | Skip
+"""A record's row and whether its response stands in for a best cut at max_new_tokens, or why it gives
+none."""
+
+CUT: Skip = "with no finished response, all cut at max_new_tokens"
+OUTSCORED: Skip = "with one finished response, outscored by every cut one"
+REPLACED = "with the best finished response in place of a best cut at max_new_tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,25 +88,30 @@ class PairRule:
 
     pairs: str = "best_vs_worst"
     min_margin: float = 0.0
-    finished_only: bool = False
+    keep_truncated: bool = False
     seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Exported:
-    """One set written: where, how many records were read, how many rows written, and how many records
-    gave none, by reason."""
+    """One set written: where, how many records were read, how many rows written (how many of them with
+    the best finished response in place of a best cut at max_new_tokens), and how many records gave
+    none, by reason."""
 
     kind: str
     path: Path
     records: int
     rows: int
     skipped: dict[Skip, int]
+    replaced: int = 0
 
     def summary(self) -> str:
         """One line for the command to print."""
+        replaced = f" ({self.replaced} {REPLACED})" if self.replaced else ""
         skipped = f"; skipped {describe(self.skipped)}" if self.skipped else ""
-        return f"{self.kind}: wrote {self.rows} rows of {self.records} records to {self.path}{skipped}"
+        return (
+            f"{self.kind}: wrote {self.rows} rows of {self.records} records to {self.path}{replaced}{skipped}"
+        )
 
 
 def describe(skipped: dict[Skip, int]) -> str:
@@ -109,15 +126,15 @@ def export(
     preference: str | Path | None = None,
     pairs: str = "best_vs_worst",
     min_margin: float = 0.0,
-    finished_only: bool = False,
+    keep_truncated: bool = False,
     seed: int = 0,
 ) -> list[Exported]:
     """Write the SFT set of the job output `output` to `sft` and/or its preference set to `preference`
-    (JSONL files); `finished_only` keeps only responses that ended on their own. Every argument is
-    checked before anything is read; an input line that is no jaxsr record, or a set that would have no
-    row (a preference set of a job without a reward), refuses with nothing written."""
+    (JSONL files); `keep_truncated` also answers and chooses with responses cut at max_new_tokens. Every
+    argument is checked before anything is read; an input line that is no jaxsr record, or a set that
+    would have no row (a preference set of a job without a reward), refuses with nothing written."""
     source = _check_source(output)
-    rule = _check_rule(pairs, min_margin, finished_only, seed)
+    rule = _check_rule(pairs, min_margin, keep_truncated, seed)
     targets = {
         kind: _check_target(kind, path, source)
         for kind, path in (("preference", preference), ("sft", sft))
@@ -129,7 +146,7 @@ def export(
         raise ValueError(f"sft, preference: both name {targets['sft']}; expected two files")
     makers = {
         "preference": lambda r: preference_row(r, rule),
-        "sft": lambda r: sft_row(r, rule.finished_only),
+        "sft": lambda r: sft_row(r, rule.keep_truncated),
     }
     return [_write_set(kind, source, target, makers[kind]) for kind, target in targets.items()]
 
@@ -156,13 +173,13 @@ def _check_target(name: str, path: str | Path, source: Source) -> Path:
     return target.resolve()
 
 
-def _check_rule(pairs: str, min_margin: float, finished_only: bool, seed: int) -> PairRule:
+def _check_rule(pairs: str, min_margin: float, keep_truncated: bool, seed: int) -> PairRule:
     if pairs not in PAIRS:
         raise ValueError(f"pairs: expected one of {PAIRS}, got {pairs!r}")
     margin = check_number("min_margin", min_margin)
     if margin < 0:
         raise ValueError(f"min_margin: expected a number >= 0, got {min_margin}")
-    return PairRule(pairs, margin, check_bool("finished_only", finished_only), check_seed(seed))
+    return PairRule(pairs, margin, check_bool("keep_truncated", keep_truncated), check_seed(seed))
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -181,32 +198,53 @@ def score_of(sample: Row) -> float | None:
     return finite(sample.get("score"))
 
 
+def finished(sample: Row) -> bool:
+    """Whether the response ended on its own (EOS or a stop string), not at max_new_tokens."""
+    return sample.get("finished") is True
+
+
+def scored_samples(record: Row) -> list[Scored]:
+    """(score, sample) of the record's samples that have a score that orders, in the record's order."""
+    return [(score, sample) for sample in record["samples"] if (score := score_of(sample)) is not None]
+
+
+def top(scored: list[Scored], keep_truncated: bool) -> int | None:
+    """Index of the highest-scored (the first of a tie) of `scored` that finished (of any, with
+    `keep_truncated`), as a job picks its best; None when there is none."""
+    eligible = [i for i, (_, sample) in enumerate(scored) if keep_truncated or finished(sample)]
+    return max(eligible, key=lambda i: scored[i][0], default=None)
+
+
 # -- rows ------------------------------------------------------------------------------------------
-def sft_row(record: Row, finished_only: bool) -> Row | Skip:
-    """The record's conversation answered by its best response."""
+def sft_row(record: Row, keep_truncated: bool) -> Made:
+    """The record's conversation answered by its best response, or by its best finished one where the
+    best was cut at max_new_tokens (unless `keep_truncated`)."""
     best = record.get("best")
     if best is None:
         return "without a best"
-    if finished_only and best.get("finished") is not True:
-        return "whose best did not finish"
-    return {"messages": [*as_messages(record["prompt"]), _assistant(best)], **_carried(record)}
+    replaced = not (keep_truncated or finished(best))
+    if replaced:
+        scored = scored_samples(record)
+        chosen = top(scored, keep_truncated=False)
+        if chosen is None:
+            return CUT
+        best = scored[chosen][1]
+    return {"messages": [*as_messages(record["prompt"]), _assistant(best)], **_carried(record)}, replaced
 
 
-def preference_row(record: Row, rule: PairRule) -> Row | Skip:
-    """The record's conversation with a chosen and a rejected response, picked by score (`PairRule`)."""
-    scored = [
-        (score, sample)
-        for sample in record["samples"]
-        if (score := score_of(sample)) is not None
-        and (sample.get("finished") is True or not rule.finished_only)
-    ]
+def preference_row(record: Row, rule: PairRule) -> Made:
+    """The record's conversation with a chosen and a rejected response, picked by score (`pick_pair`)."""
+    scored = scored_samples(record)
     if len(scored) < 2:
         return ("without a scored sample", "with one scored sample")[len(scored)]
-    (score_chosen, chosen), (score_rejected, rejected) = pick_pair(scored, rule, record["index"])
+    pair = pick_pair(scored, rule, record["index"])
+    if isinstance(pair, str):
+        return pair
+    (score_chosen, chosen), (score_rejected, rejected) = pair
     margin = score_chosen - score_rejected
     if margin <= 0 or margin < rule.min_margin:
         return "whose pair is a tie or under min_margin"
-    return {
+    row = {
         "prompt": as_messages(record["prompt"]),
         "chosen": [_assistant(chosen)],
         "rejected": [_assistant(rejected)],
@@ -214,13 +252,19 @@ def preference_row(record: Row, rule: PairRule) -> Row | Skip:
         "score_rejected": score_rejected,
         **_carried(record),
     }
+    return row, chosen is not scored[top(scored, keep_truncated=True)][1]
 
 
-def pick_pair(scored: list[Scored], rule: PairRule, index: int) -> tuple[Scored, Scored]:
-    """(chosen, rejected) of two or more (score, sample): the highest-scored (the first of a tie) and,
-    among the others, the lowest-scored (the first of a tie) or one drawn from (seed, prompt index)."""
-    best = max(range(len(scored)), key=lambda i: scored[i][0])
-    others = scored[:best] + scored[best + 1 :]
+def pick_pair(scored: list[Scored], rule: PairRule, index: int) -> tuple[Scored, Scored] | Skip:
+    """(chosen, rejected) of two or more (score, sample): the chosen the highest-scored that finished
+    (of any, with `keep_truncated`; the first of a tie); the rejected, among the others scored no higher
+    (cut ones too), the lowest-scored (the first of a tie) or one drawn from (seed, prompt index)."""
+    best = top(scored, rule.keep_truncated)
+    if best is None:
+        return CUT
+    others = [pair for i, pair in enumerate(scored) if i != best and pair[0] <= scored[best][0]]
+    if not others:
+        return OUTSCORED
     if rule.pairs == "best_vs_worst":
         return scored[best], min(others, key=lambda pair: pair[0])
     return scored[best], others[np.random.default_rng([rule.seed, index]).integers(len(others))]
@@ -239,28 +283,44 @@ def _carried(record: Row) -> Row:
 @dataclasses.dataclass
 class _Tally:
     rows: int = 0
+    replaced: int = 0
     skipped: collections.Counter[Skip] = dataclasses.field(default_factory=collections.Counter)
 
 
-def _write_set(kind: str, source: Source, target: Path, make_row: Callable[[Row], Row | Skip]) -> Exported:
+def _write_set(kind: str, source: Source, target: Path, make_row: Callable[[Row], Made]) -> Exported:
     """Stream `source`'s records through `make_row` into `target`, atomically; a set without a row is
     refused (and not written)."""
     tally = _Tally()
     write_durably(target, _lines(kind, source, make_row, tally))
-    return Exported(kind, target, tally.rows + tally.skipped.total(), tally.rows, dict(tally.skipped))
+    records = tally.rows + tally.skipped.total()
+    return Exported(kind, target, records, tally.rows, dict(tally.skipped), tally.replaced)
 
 
-def _lines(
-    kind: str, source: Source, make_row: Callable[[Row], Row | Skip], tally: _Tally
-) -> Iterator[bytes]:
+def _lines(kind: str, source: Source, make_row: Callable[[Row], Made], tally: _Tally) -> Iterator[bytes]:
     """The set's JSONL lines, counted into `tally`; raises at the end when there was none."""
     for record in source.records():
         made = make_row(record)
         if isinstance(made, str):
             tally.skipped[made] += 1
-        else:
-            tally.rows += 1
-            yield (json.dumps(made) + "\n").encode()
+            continue
+        row, replaced = made
+        tally.rows += 1
+        tally.replaced += replaced
+        yield (json.dumps(row) + "\n").encode()
     if not tally.rows:
-        found = describe(tally.skipped) or "no record"
-        raise ValueError(f"{kind}: no row from {source.path} ({found}); expected {NEEDED[kind]} ({JOBS})")
+        raise ValueError(_no_row(kind, source.path, tally.skipped))
+
+
+def _no_row(kind: str, path: Path, skipped: dict[Skip, int]) -> str:
+    """Why a set got no row, and what gives one: where responses cut at max_new_tokens were left out, a
+    larger max_new_tokens or `keep_truncated`."""
+    found = describe(skipped) or "no record"
+    if CUT in skipped or OUTSCORED in skipped:
+        advice = (
+            "a response cut at max_new_tokens would teach a model to stop mid-sentence: run the job with "
+            "a larger max_new_tokens, or export cut responses as they are with keep_truncated "
+            "(--keep-truncated)"
+        )
+    else:
+        advice = f"expected {NEEDED[kind]} ({JOBS})"
+    return f"{kind}: no row from {path} ({found}); {advice}"
