@@ -22,7 +22,7 @@ $(BIN)/jaxsr: pyproject.toml constraints.txt
 
 $(VENV)/.test-extras: $(BIN)/jaxsr
 	$(BIN)/pip install -q -c constraints.txt -e '.[test,docs]'
-	# libtpu for the plan tests, beside the environment's packages (TPU_LIBRARY_PATH names it there):
+	# libtpu for TPU plans, beside the environment's packages (jaxsr.plans.targets looks in $(VENV)/libtpu):
 	# installed among them, every jax process on a machine without TPUs would try to start it
 	$(BIN)/pip install -q -c constraints.txt --no-deps --target $(VENV)/libtpu 'libtpu==0.0.42.*'
 	# jax's CUDA plugin and NVIDIA's ptxas for the GPU plans, beside them too (jaxsr.plans.gpus looks in

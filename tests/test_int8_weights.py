@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 from test_gguf import write_gguf
 from test_int8_kv import compare, heldout_batch, teacher_forced
-from test_plans import SIDE_LIBTPU, needs_libtpu
+from test_plans import needs_libtpu
 from test_speculative import perturbed
 from tiny import tiny_config, tiny_model
 
@@ -44,7 +44,6 @@ from jaxsr.plans import Batch, abstract_model, bytes_per_device, hlo, plan_batch
 from jaxsr.plans import target as plan_target
 from jaxsr.plans.compiled import abstract_tokens
 from jaxsr.plans.job import job_sampler
-from jaxsr.plans.targets import LIBRARY_ENV, has_libtpu
 from jaxsr.sharding import PARAM_AXES, make_mesh, shard_model
 from jaxsr.text import left_pad
 
@@ -576,14 +575,6 @@ def test_a_plan_holds_int8_weights_in_half_the_bytes_of_bfloat16(monkeypatch):
     assert sampler.models[0].config.weights_dtype == "int8"
 
 
-@pytest.fixture
-def libtpu(monkeypatch):
-    """TPU_LIBRARY_PATH names the libtpu `make setup` installed (once this process's backends are up)."""
-    jax.devices()
-    if not has_libtpu():
-        monkeypatch.setenv(LIBRARY_ENV, str(SIDE_LIBTPU))
-
-
 def _float_copies_of(shapes: set[tuple[int, ...]], text: str) -> list[str]:
     """Instructions outside fused computations (what a TPU writes to its memory) whose result is a
     floating-point array of one of `shapes`."""
@@ -610,7 +601,7 @@ def _float_copies_of(shapes: set[tuple[int, ...]], text: str) -> list[str]:
 
 @needs_libtpu
 @pytest.mark.slow
-def test_on_a_tpu_products_take_the_int8_weights_as_they_are(libtpu):
+def test_on_a_tpu_products_take_the_int8_weights_as_they_are():
     """Llama-3.1-8B's widths (2 layers) bf16 on a v5e-8 split model=8: the prefill writes no float copy of
     any weight (each product reads its int8 shard, converted and scaled inside its fusion), the token
     loop needs no more temporary memory than with bfloat16 weights and moves 40% fewer bytes a step.

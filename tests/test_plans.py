@@ -8,9 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import types
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -35,18 +33,16 @@ from jaxsr.plans import (
     plan_batch,
     plan_job,
     target,
+    target_devices,
     target_mesh,
 )
 from jaxsr.plans.compiled import abstract_tokens, compile_for
 from jaxsr.plans.job import dominated, first_rung, job_batch, job_budget, job_reward_model, job_sampler
-from jaxsr.plans.targets import LIBRARY_ENV, has_libtpu
+from jaxsr.plans.targets import LIBRARY_ENV, SIDE_LIBTPU, has_libtpu, naming_side_libtpu, side_libtpu
 from jaxsr.sharding import on_mesh
 
-SIDE_LIBTPU = Path(sys.prefix) / "libtpu" / "libtpu" / "libtpu.so"
-"""Where `make setup` puts libtpu: beside the environment's packages, not among them."""
 needs_libtpu = pytest.mark.skipif(
-    not (has_libtpu() or SIDE_LIBTPU.is_file()),
-    reason="libtpu not found (make setup puts it in .venv/libtpu)",
+    not has_libtpu(), reason="libtpu not found (make setup puts it in .venv/libtpu)"
 )
 
 
@@ -56,17 +52,19 @@ needs_cuda_plan = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def libtpu_beside_the_packages():
-    """TPU_LIBRARY_PATH names the libtpu `make setup` installed, once this process's own backends are
-    up (they stay CPU: libtpu found later only describes slices)."""
-    jax.devices()
-    if has_libtpu() or not SIDE_LIBTPU.is_file():
-        yield
-        return
-    os.environ[LIBRARY_ENV] = str(SIDE_LIBTPU)
-    yield
-    del os.environ[LIBRARY_ENV]
+def test_the_libtpu_make_setup_installs_is_found_with_no_variable_set(monkeypatch):
+    """`make setup` puts libtpu beside the environment's packages: a TPU plan names it to jax only while
+    jax loads it (after this process's own backends are up), and a slice is described."""
+    monkeypatch.delenv(LIBRARY_ENV, raising=False)
+    if side_libtpu() is None:
+        pytest.skip("no libtpu beside the packages, or jax finds its own (the libtpu package)")
+    assert has_libtpu()
+    with naming_side_libtpu():
+        assert os.environ[LIBRARY_ENV] == str(SIDE_LIBTPU)
+    assert LIBRARY_ENV not in os.environ
+    devices = target_devices.__wrapped__(target("v5e-8"))
+    assert len(devices) == 8 and {d.platform for d in devices} == {"tpu"}
+    assert LIBRARY_ENV not in os.environ
 
 
 LLAMA_31_8B_2_LAYERS = {

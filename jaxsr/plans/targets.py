@@ -10,10 +10,13 @@ backend stays what it was (e.g. `JAX_PLATFORMS=cpu`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -146,12 +149,42 @@ def target(name: str) -> Target:
 LIBRARY_ENV = "TPU_LIBRARY_PATH"
 """jax's variable naming a libtpu.so: libtpu kept out of the environment's packages (where every jax
 process on a machine without TPUs would try, and fail noisily, to start it) still describes slices."""
+SIDE_LIBTPU = Path(sys.prefix) / "libtpu" / "libtpu" / "libtpu.so"
+"""Where `make setup` installs libtpu (`pip install --target .venv/libtpu`): beside the environment's
+packages, found by `side_libtpu`, as `gpus.SIDE_PACKAGES` is for GPU plans."""
+
+
+def side_libtpu() -> Path | None:
+    """`SIDE_LIBTPU` where jax would find no libtpu of its own (TPU_LIBRARY_PATH unset, no `libtpu`
+    package), else None."""
+    if LIBRARY_ENV in os.environ or importlib.util.find_spec("libtpu") is not None:
+        return None
+    return SIDE_LIBTPU if SIDE_LIBTPU.is_file() else None
 
 
 def has_libtpu() -> bool:
-    """Whether libtpu can be found: the `libtpu` package, or the file `TPU_LIBRARY_PATH` names."""
+    """Whether libtpu can be found: the file `TPU_LIBRARY_PATH` names, the `libtpu` package, or the one
+    `make setup` installed (`side_libtpu`)."""
     named = os.environ.get(LIBRARY_ENV)
-    return (named is not None and Path(named).is_file()) or importlib.util.find_spec("libtpu") is not None
+    found = (named is not None and Path(named).is_file()) or importlib.util.find_spec("libtpu") is not None
+    return found or side_libtpu() is not None
+
+
+@contextlib.contextmanager
+def naming_side_libtpu() -> Iterator[None]:
+    """TPU_LIBRARY_PATH names `side_libtpu()`, if any, while jax loads libtpu: set once this process's
+    own backends are up (so jax never starts libtpu as one of them: it only describes slices), unset
+    after (so a process this one starts does not try it either)."""
+    side = side_libtpu()
+    if side is None:
+        yield
+        return
+    jax.devices()
+    os.environ[LIBRARY_ENV] = str(side)
+    try:
+        yield
+    finally:
+        os.environ.pop(LIBRARY_ENV, None)
 
 
 @functools.cache
@@ -164,7 +197,8 @@ def target_devices(slice_: Target) -> tuple[jax.Device, ...]:
         return gpus.cuda_devices(gpus.GPUS[slice_.chip.kind], slice_.host.chips)
     if not has_libtpu():  # a clear error here rather than an opaque one from the backend
         raise ImportError(
-            f"planning for a TPU needs libtpu: pip install 'jaxsr[plan]', or set {LIBRARY_ENV} to a libtpu.so"
+            f"planning for a TPU needs libtpu: pip install 'jaxsr[plan]', or set {LIBRARY_ENV} to a "
+            f"libtpu.so (make setup installs one at {SIDE_LIBTPU})"
         )
     # a plan compiles, never runs: several processes may describe slices at once (libtpu's lock file
     # otherwise refuses a second process)
@@ -174,7 +208,8 @@ def target_devices(slice_: Target) -> tuple[jax.Device, ...]:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", slice_.name)
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     config = {} if slice_.chip.chip_config is None else {"chip_config_name": slice_.chip.chip_config}
-    topology = topologies.get_topology_desc(topology_name=slice_.topology, platform="tpu", **config)
+    with naming_side_libtpu():
+        topology = topologies.get_topology_desc(topology_name=slice_.topology, platform="tpu", **config)
     return tuple(topology.devices)
 
 
