@@ -134,9 +134,12 @@ def test_chat_dataset_jobs_store_scores_of_their_text(tmp_path, reward_dir):
     assert (tmp_path / "bon.report" / "report.html").stat().st_size > 0
     assert main(["report", str(tmp_path / "sr.jsonl"), "--dir", str(tmp_path / "again")]) == 0
     assert "rejected" in (tmp_path / "again" / "report.html").read_text()
-    # `jaxsr export`: TRL's conversational layouts, the conversation kept as it was, the ids carried
+    # `jaxsr export`: TRL's conversational layouts, the conversation kept as it was, the ids carried (32
+    # tokens cut most of the draft's answers: --keep-truncated gives every conversation a row)
     sft, pairs = tmp_path / "sft.jsonl", tmp_path / "pairs.jsonl"
-    assert main(["export", str(tmp_path / "bon.jsonl"), "--sft", str(sft), "--preference", str(pairs)]) == 0
+    sets = ["--sft", str(sft), "--preference", str(pairs)]
+    assert main(["export", str(tmp_path / "bon.jsonl"), *sets, "--keep-truncated"]) == 0
+    assert len(sft.read_text().splitlines()) == len(pairs.read_text().splitlines()) == len(CONVERSATIONS)
     for row in map(json.loads, pairs.read_text().splitlines()):
         k = int(row["id"].split("-")[1])
         assert row["prompt"] == CONVERSATIONS[k] and row["score_chosen"] > row["score_rejected"]
