@@ -1,30 +1,37 @@
 """`jaxsr report OUTPUT.jsonl`: what a job produced, read back from its output.
 
-The output is streamed one line at a time (it can hold gigabytes of responses): each record leaves only
-small numbers behind (its scores, counts, seconds; the best-of-k curve and SR's per-round sizes as running
-sums). `summarize` returns them as a `Summary` whose `table()` is the text the CLI prints; `write_report`
-also draws the plots (PNG) and writes one self-contained HTML page holding the table and the plots, each
-file written whole or not at all. A report shows only what the records hold: a `generate` job's records
-have no scores, so its report has no reward rows or reward plots.
+The output is streamed one line at a time (it can hold gigabytes of responses), its complete lines only
+(a running or killed job's torn last line is left out, as a resume and `jaxsr export` leave it): each
+record leaves only small numbers behind (its scores, counts, seconds; the best-of-k sums and SR's
+per-round sizes as running sums), and the first `SHOWN_PROMPTS` records what the page shows of them.
+`summarize` returns them as a `Summary` whose `table()` is the text the CLI prints; `write_report` also
+draws the plots (PNG) and writes one self-contained HTML page holding the table, the plots and the first
+prompts' responses, and, for a longer output, pages of every prompt's responses (a second pass over the
+same lines), each file written whole or not at all. A report shows only what the records hold: a
+`generate` job's records have no scores, so its report has no reward rows or reward plots.
 
 The best-of-k curve is exact: for each prompt, the expected maximum score of k of its scored samples drawn
-without replacement (`expected_max`), averaged over the prompts with at least k scored samples.
+without replacement (`expected_max`). Every point of a curve averages the same prompts: one curve over
+every scored prompt, up to k = the fewest scored samples a prompt has, and where some prompts have more,
+one over those with the most (an average over whichever prompts reach k would jump where few do).
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
-import functools
 import html
 import io
+import itertools
 import json
 import math
+import os
+import stat
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -33,36 +40,56 @@ from matplotlib.ticker import MaxNLocator
 from jaxsr.checks import finite
 from jaxsr.jobs.demo import plural, table
 from jaxsr.jobs.records import EXPECTED, read_output
-from jaxsr.jobs.runner import job_file, write_durably
+from jaxsr.jobs.runner import complete_end, job_file, write_durably
 
-"""What an output line must be, as error messages say it."""
 JOB_KEYS = ("method", "model", "draft", "decoder", "reward", "n", "data", "max_new_tokens")
 """Job-file config keys the report's header shows (those set)."""
 SAMPLING_KEYS = ("temperature", "top_k", "top_p")
-TIMES = ("prefill_s", "decode_s", "scoring_s", "compaction_s", "host_s", "compile_s", "wall_s")
-"""The order the time split lists the `*_s` stats in (others after them): `wall_s` is a record's whole
-time, every other one a part of it."""
+TIMES = ("prefill_s", "decode_s", "scoring_s", "compaction_s", "host_s", "compile_s")
+"""The order the time split lists a record's parts in (other `*_s` stats after them): every `*_s` stat
+but `wall_s`, the record's whole time, is a part of it."""
+SHOWN_SECONDS = 0.005
+"""The least a time split shows of the wall no part names, or of the parts outside the wall: less is the
+rounding of the parts' sum, and shows as 0.00."""
 SHOWN_K = 6
-"""Points of the best-of-k curve the text table names (k = 1, 2, 4, … and n)."""
+"""Points of a best-of-k curve the text table names (k = 1, 2, 4, … and the last)."""
+CURVE_ROWS = ("best of k (mean)", "best of k (most samples)")
+"""The table's rows of the best-of-k curves (`BestOfK.curves`), in their order."""
+SHOWN_PROMPTS = 20
+"""Prompts whose responses the report page shows: the output's first."""
+PAGE = 100
+"""Prompts on each page of every prompt's responses (written when the report page does not show all)."""
+JOB_FILE_BYTES = 1 << 20
+"""The most a job file is read of: its config is a few kilobytes."""
+FINISHED = {True: "ended on its own", False: "cut at max_new_tokens", None: "finish not recorded"}
+"""How the page says whether a response finished (its `finished`: True, False, absent)."""
+
+T = TypeVar("T")
 
 
-def expected_max(scores: Sequence[float]) -> np.ndarray:
-    """E[max of k samples drawn without replacement from `scores`] for k = 1..n: with the scores sorted
-    ascending s_1..s_n, Σ_i C(i-1, k-1)/C(n, k) · s_i (the i-th smallest is the maximum of the k-subsets
-    made of it and k-1 of the i-1 below it). Unbiased for best-of-k from n ≥ k samples of a prompt."""
+def max_weights(n: int, most: int | None = None) -> Iterator[np.ndarray]:
+    """Row k for k = 1..`most` (default n): C(i-1, k-1)/C(n, k) for i = 1..n, the weight of the i-th
+    smallest of n scores in the expected maximum of k of them drawn without replacement (the i-th is the
+    maximum of the k-subsets made of it and k-1 of the i-1 below it). Each row is the one before times
+    (i-k)(k+1) / (k(n-k)), a ratio of integers exact in float64: O(n) floats a row, each entry within
+    about 2k roundings of the exact value (big-integer binomials took O(n³): 1,024 scores 23 s). An
+    entry that falls below float64's range is 0: it only falls further in the rows after."""
+    if n == 0:
+        return
+    i = np.arange(1, n + 1, dtype=np.float64)
+    row = np.full(n, 1 / n)
+    for k in range(1, (n if most is None else min(most, n)) + 1):
+        yield row
+        if k < n:
+            row = row * (np.maximum(i - k, 0) * (k + 1) / (k * (n - k)))
+
+
+def expected_max(scores: Sequence[float], most: int | None = None) -> np.ndarray:
+    """E[max of k samples drawn without replacement from `scores`] for k = 1..`most` (default n): with
+    the scores sorted ascending, Σ_i C(i-1, k-1)/C(n, k) · s_i (`max_weights`). Unbiased for best-of-k
+    from n ≥ k samples of a prompt; linear in the sorted scores."""
     ordered = np.sort(np.asarray(scores, dtype=np.float64))
-    return _max_weights(len(ordered)) @ ordered
-
-
-@functools.lru_cache(maxsize=8)
-def _max_weights(n: int) -> np.ndarray:
-    """The n×n matrix of C(i-1, k-1)/C(n, k) (row k-1, column i-1), each entry rounded once from exact
-    integers: prompts mostly share one sample count, so it is built once."""
-    weights = np.array(
-        [[math.comb(i - 1, k - 1) / math.comb(n, k) for i in range(1, n + 1)] for k in range(1, n + 1)]
-    ).reshape(n, n)
-    weights.setflags(write=False)  # shared by every caller through the cache
-    return weights
+    return np.array([row @ ordered for row in max_weights(len(ordered), most)])
 
 
 @dataclasses.dataclass
@@ -82,7 +109,7 @@ class Share:
 
 @dataclasses.dataclass
 class Means:
-    """Running means by position (k of a best-of-k curve, an SR round), over the sequences that reach it."""
+    """Running means by position (an SR round), over the sequences that reach it."""
 
     sums: list[float] = dataclasses.field(default_factory=list)
     counts: list[int] = dataclasses.field(default_factory=list)
@@ -98,6 +125,76 @@ class Means:
 
     def means(self) -> list[float]:
         return [s / c for s, c in zip(self.sums, self.counts, strict=True)]
+
+
+@dataclasses.dataclass
+class BestOfK:
+    """The best-of-k curves' sums. The expected maximum is linear in a prompt's sorted scores, so the
+    prompts with the same number of scored samples are summed (their sorted scores, elementwise: a sum
+    of ascending vectors is ascending) and each number's curve is computed once, when shown."""
+
+    sorted_sums: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    prompts: Counter[int] = dataclasses.field(default_factory=Counter)
+    """Prompts by their number of scored samples."""
+
+    def add(self, scores: Sequence[float]) -> None:
+        ordered = np.sort(np.asarray(scores, dtype=np.float64))
+        if len(ordered):
+            self.sorted_sums[len(ordered)] = self.sorted_sums.get(len(ordered), 0.0) + ordered
+            self.prompts[len(ordered)] += 1
+
+    def curve(self, samples: int) -> tuple[np.ndarray, int]:
+        """The mean expected best of k for k = 1..`samples` over the prompts with at least `samples`
+        scored samples (every point averages those prompts), and how many they are."""
+        counts = [n for n in self.prompts if n >= samples]
+        total = sum(expected_max(self.sorted_sums[n], samples) for n in counts)
+        prompts = sum(self.prompts[n] for n in counts)
+        return total / prompts, prompts
+
+    def curves(self) -> list[tuple[np.ndarray, int]]:
+        """The curve of every scored prompt (k up to the fewest scored samples a prompt has) and, when
+        some have more, that of the prompts with the most (k up to all of theirs)."""
+        return [self.curve(samples) for samples in sorted({min(self.prompts), max(self.prompts)})]
+
+
+@dataclasses.dataclass
+class Seconds:
+    """The records' time, summed: each part (every `*_s` stat but `wall_s`) and the wall, and per record
+    what makes the two add up: the wall no part names (`other`) and the parts beyond the wall
+    (`outside`: outputs written before a call's wait for its programs compiled ahead counted in its
+    records' `wall_s` hold that wait in their `compile_s` alone). wall + outside = parts + other."""
+
+    parts: dict[str, float] = dataclasses.field(default_factory=dict)
+    wall: float = 0.0
+    other: float = 0.0
+    outside: float = 0.0
+
+    def add(self, stats: dict[str, Any]) -> None:
+        timed = {k: v for k, v in stats.items() if k.endswith("_s") and finite(v) is not None}
+        wall = timed.pop("wall_s", 0.0)
+        for key, value in timed.items():
+            self.parts[key] = self.parts.get(key, 0.0) + value
+        self.wall += wall
+        gap = wall - sum(timed.values())
+        self.other += max(gap, 0.0)
+        self.outside += max(-gap, 0.0)
+
+    def sides(self) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+        """The sum's two sides as (name, seconds): the wall (and the parts outside it), the parts in the
+        `TIMES` order (and the wall no part names); those two only where they show."""
+        order = sorted(self.parts, key=lambda k: (TIMES.index(k) if k in TIMES else len(TIMES), k))
+        wall = [("wall", self.wall)]
+        if self.outside >= SHOWN_SECONDS:
+            wall.append(("outside the wall", self.outside))
+        parts = [(key[:-2], self.parts[key]) for key in order]
+        if self.other >= SHOWN_SECONDS:
+            parts.append(("other", self.other))
+        return wall, parts
+
+    def text(self) -> str:
+        """`wall 3.50 = prefill 0.75 + decode 2.00 + other 0.75`."""
+        wall, parts = (" + ".join(f"{name} {v:.2f}" for name, v in side) for side in self.sides())
+        return f"{wall} = {parts}"
 
 
 @dataclasses.dataclass
@@ -149,13 +246,42 @@ class Rounds:
         return rows
 
 
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """What the pages show of one prompt: its index, its prompt, and its responses by role: the chosen
+    one and the lowest-scored sample (a record without a best: its first sample), each as its `text`,
+    `score` and `finished`."""
+
+    index: int
+    prompt: Any
+    responses: tuple[tuple[str, dict[str, Any]], ...]
+
+
+def entry_of(record: dict[str, Any]) -> Entry:
+    """A record's `Entry` (the worst only where two samples or more are scored: else it is the chosen)."""
+    samples, best = record["samples"], record.get("best")
+    scored = [s for s in samples if finite(s.get("score")) is not None]
+    if best is not None:
+        shown = [("chosen", best)]
+        if len(scored) > 1:
+            shown.append(("worst", min(scored, key=lambda s: s["score"])))
+    else:
+        shown = [(f"sample 1 of {len(samples)}", samples[0])] if samples else []
+    kept = tuple((role, {k: s.get(k) for k in ("text", "score", "finished")}) for role, s in shown)
+    return Entry(record["index"], record["prompt"], kept)
+
+
 @dataclasses.dataclass
 class Summary:
-    """The small numbers a job's output leaves: what the report shows."""
+    """The small numbers a job's output leaves, and its first prompts' entries: what the report shows."""
 
     output: Path
     header: dict[str, str]
     """Job, method, model, reward, … (from the job file, then each record's provenance)."""
+    end: int = 0
+    """The size of the output's complete lines: what was read (and what the response pages read)."""
+    torn: bool = False
+    """Whether a torn last line (a job still writing it, or killed) was left out."""
     prompts: int = 0
     samples: int = 0
     best_scores: array = dataclasses.field(default_factory=lambda: array("d"))
@@ -165,10 +291,11 @@ class Summary:
     tokens: int = 0
     """Response tokens, over the samples that list their `token_ids` (`token_samples`)."""
     token_samples: int = 0
-    best_of_k: Means = dataclasses.field(default_factory=Means)
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Each `*_s` stat summed over the records."""
+    best_of_k: BestOfK = dataclasses.field(default_factory=BestOfK)
+    seconds: Seconds = dataclasses.field(default_factory=Seconds)
     sr: Rounds | None = None
+    shown: list[Entry] = dataclasses.field(default_factory=list)
+    """The first `SHOWN_PROMPTS` records' entries, in the output's order."""
 
     def add(self, record: dict[str, Any]) -> None:
         """Count one record in."""
@@ -181,11 +308,12 @@ class Summary:
             self._add_best(best)
         scored = _numbers(s.get("score") for s in record["samples"])
         self.sample_scores.extend(scored)
-        if scored:
-            self.best_of_k.add(expected_max(scored))
+        self.best_of_k.add(scored)
         for sample in record["samples"]:
             self._add_sample(sample)
         self._add_stats(record)
+        if len(self.shown) < SHOWN_PROMPTS:
+            self.shown.append(entry_of(record))
 
     def _add_best(self, best: dict[str, Any]) -> None:
         if finite(best.get("score")) is not None:
@@ -203,9 +331,7 @@ class Summary:
 
     def _add_stats(self, record: dict[str, Any]) -> None:
         stats = record.get("stats", {})
-        for key, value in stats.items():
-            if key.endswith("_s") and finite(value) is not None:
-                self.seconds[key] = self.seconds.get(key, 0.0) + value
+        self.seconds.add(stats)
         if isinstance(stats.get("batch_sizes"), list) and finite(stats.get("rounds")) is not None:
             self.sr = self.sr or Rounds()
             self.sr.add(record)
@@ -213,6 +339,8 @@ class Summary:
     def rows(self) -> list[tuple[str, str]]:
         """(quantity, value) of everything the records hold, in the report's order."""
         rows = [*self.header.items(), ("prompts", str(self.prompts))]
+        if self.torn:
+            rows.append(("left out", "a torn last line (a job still writing it, or killed)"))
         rows.append(("samples per prompt", f"{self.samples / self.prompts:.2f}"))
         for name, share in (
             ("finished (best)", self.best_finished),
@@ -223,19 +351,15 @@ class Summary:
         for name, scores in (("best reward", self.best_scores), ("sample reward", self.sample_scores)):
             if scores:
                 rows.append((name, f"mean {np.mean(scores):.4f}, median {np.median(scores):.4f}"))
-        if self.best_of_k.counts:
-            rows.append(("best of k (mean)", _curve_text(self.best_of_k.means())))
+        if self.best_of_k.prompts:
+            for name, (curve, prompts) in zip(CURVE_ROWS, self.best_of_k.curves(), strict=False):
+                rows.append((name, f"{_curve_text(curve)} ({_curve_prompts(len(curve), prompts)})"))
         if self.token_samples:
             mean = self.tokens / self.token_samples
             rows.append(("response tokens", f"mean {mean:.1f}, total {self.tokens}"))
-        if self.seconds:
-            split = ", ".join(f"{key[:-2]} {self.seconds[key]:.2f}" for key in self.times())
-            rows.append(("seconds (summed)", split))
+        if self.seconds.parts or self.seconds.wall:
+            rows.append(("seconds (summed)", self.seconds.text()))
         return rows + (self.sr.rows() if self.sr else [])
-
-    def times(self) -> list[str]:
-        """The `*_s` stats the records have, in the `TIMES` order (others after them, by name)."""
-        return sorted(self.seconds, key=lambda key: (TIMES.index(key) if key in TIMES else len(TIMES), key))
 
     def table(self) -> str:
         """The summary as the text table the CLI prints."""
@@ -244,24 +368,30 @@ class Summary:
 
 def summarize(output: str | Path) -> Summary:
     """Read a job's output (and its job file, when there) into a `Summary`, one line at a time.
-    Raises ValueError naming the file (and line) when it is missing, empty or not a jaxsr output."""
+    Raises ValueError naming the file (and line) when it is missing, empty or not a jaxsr output, or
+    when its job file is no regular file of at most `JOB_FILE_BYTES`."""
     path = Path(output)
     if not path.exists():
         raise ValueError(f"{path}: no such file (expected a jaxsr job output, a .jsonl file)")
     if not path.is_file():
         raise ValueError(f"{path}: not a file (expected a jaxsr job output, a .jsonl file)")
     summary = Summary(path, _job_header(job_file(path)))
-    for record in _records(path):
+    try:
+        summary.end = complete_end(path)
+        summary.torn = summary.end < path.stat().st_size
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+    for record in _records(path, summary.end):
         summary.add(record)
     if not summary.prompts:
         raise ValueError(f"{path}: no records (expected {EXPECTED})")
     return summary
 
 
-def _records(path: Path) -> Iterator[dict[str, Any]]:
-    """The output's records, each checked, read one line at a time."""
+def _records(path: Path, end: int) -> Iterator[dict[str, Any]]:
+    """The output's records up to byte `end`, each checked, read one line at a time."""
     try:
-        for _, record in read_output(path):
+        for _, record in read_output(path, end):
             yield record
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
@@ -270,10 +400,14 @@ def _records(path: Path) -> Iterator[dict[str, Any]]:
 def _job_header(path: Path) -> dict[str, str]:
     """The job file's fingerprint and the config keys the header shows ({} without a readable one)."""
     try:
-        job = json.loads(path.read_text())
+        text = _read_job_file(path)
+    except OSError:
+        return {}
+    try:
+        job = json.loads(text)
         config = job["config"]
         fingerprint = job["jaxsr_job"]
-    except (OSError, ValueError, RecursionError, KeyError, TypeError):
+    except (ValueError, RecursionError, KeyError, TypeError):
         return {}
     if not isinstance(config, dict):
         return {}
@@ -285,6 +419,20 @@ def _job_header(path: Path) -> dict[str, str]:
     if config.get("seed") is not None:
         header["seed"] = _text(config["seed"])
     return header
+
+
+def _read_job_file(path: Path) -> bytes:
+    """The job file's bytes (OSError when absent or unreadable). It is opened without blocking and read
+    only when it is a regular file, at most `JOB_FILE_BYTES` of it: a FIFO there would block a plain
+    open until a writer came, and a device (/dev/zero) or a huge file would fill the memory; those are
+    refused (ValueError naming the file)."""
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError(f"{path}: not a regular file (the job file beside a jaxsr output is one)")
+        data = f.read(JOB_FILE_BYTES + 1)
+    if len(data) > JOB_FILE_BYTES:
+        raise ValueError(f"{path}: over {JOB_FILE_BYTES} bytes (a jaxsr job file is a few kilobytes)")
+    return data
 
 
 def _numbers(values: Iterable[Any]) -> list[float]:
@@ -309,24 +457,28 @@ def _listed(values: Sequence[float]) -> str:
 
 
 def _curve_text(curve: Sequence[float]) -> str:
-    """A few points of the best-of-k curve: k = 1, 2, 4, … and the largest k."""
+    """A few points of a best-of-k curve: k = 1, 2, 4, … and the largest k."""
     ks = sorted({min(2**j, len(curve)) for j in range(SHOWN_K)} | {len(curve)})
     return ", ".join(f"k={k} {curve[k - 1]:.4f}" for k in ks)
 
 
-# -- plots and the page ------------------------------------------------------------------------------
+def _curve_prompts(samples: int, prompts: int) -> str:
+    """Which prompts every point of a best-of-k curve averages: `2 prompts with ≥ 3 scored samples`."""
+    return f"{plural(prompts, 'prompt')} with ≥ {plural(samples, 'scored sample')}"
+
+
+# -- plots ---------------------------------------------------------------------------------------------
 
 
 def _plot_best_of_k(ax: Axes, s: Summary) -> None:
-    curve = s.best_of_k.means()
-    ks = range(1, len(curve) + 1)
-    ax.plot(ks, curve, "o-", label="expected best of k samples")
+    for curve, prompts in s.best_of_k.curves():
+        ax.plot(range(1, len(curve) + 1), curve, "o-", label=_curve_prompts(len(curve), prompts))
     if s.best_scores:
-        ax.axhline(np.mean(s.best_scores), color="C1", linestyle="--", label="the job's best (mean)")
+        ax.axhline(np.mean(s.best_scores), color="C3", linestyle="--", label="the job's best (mean)")
     ax.set_xlabel("k (samples drawn from each prompt's scored samples)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("reward (mean over prompts)")
-    ax.set_title(f"best-of-k reward, {plural(s.best_of_k.counts[0], 'prompt')} (k=1)", fontsize=9)
+    ax.set_ylabel("expected best reward of k (mean over the prompts)")
+    ax.set_title("best-of-k reward: each curve averages the same prompts at every k", fontsize=9)
     ax.legend()
 
 
@@ -350,26 +502,49 @@ def _plot_rounds(ax: Axes, s: Summary) -> None:
         if means.counts:
             ax.plot(range(1, len(means.sums) + 1), means.means(), "o-", label=name)
     ax.set_xlabel("round")
-    ax.set_ylabel("rows (mean over prompts)")
+    ax.set_ylabel("rows (mean over the prompts that reach the round)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("Speculative Rejection: batch size per round", fontsize=9)
     ax.legend()
 
 
+SPLIT_STYLE = {
+    "wall": {"color": "C7"},
+    "outside the wall": {"color": "C3", "hatch": "//"},
+    "other": {"color": "0.85"},
+}
+"""How the time split draws the wall, the parts outside it and the wall no part names (the parts: C0…)."""
+
+
 def _plot_seconds(ax: Axes, s: Summary) -> None:
-    names = s.times()
-    colors = ["C7" if k == "wall_s" else "C0" for k in names]
-    ax.barh([k[:-2] for k in names], [s.seconds[k] for k in names], color=colors)
-    ax.invert_yaxis()
+    parts = itertools.cycle(f"C{i}" for i in (0, 1, 2, 4, 5, 6, 8, 9))
+    for y, side in enumerate(s.seconds.sides()):
+        left = 0.0
+        for name, seconds in side:
+            style = SPLIT_STYLE.get(name) or {"color": next(parts)}
+            ax.barh(y, seconds, height=0.6, left=left, label=name, edgecolor="white", **style)
+            left += seconds
+    ax.set_yticks([0, 1], ["wall", "its parts"])
+    ax.set_ylim(2.5, -0.5)  # top down, with room below the bars for the legend
     ax.set_xlabel("seconds, summed over the records")
-    ax.set_title("where the time went (wall: the whole; the rest its parts)", fontsize=9)
+    ax.set_title("where the time went: the wall and its parts add up", fontsize=9)
+    ax.legend(fontsize=8, ncols=3, loc="lower center")
 
 
 PLOTS: dict[str, tuple[str, Callable[[Summary], bool], Callable[[Axes, Summary], None]]] = {
-    "best_of_k": ("Best-of-k reward curve", lambda s: bool(s.best_of_k.counts), _plot_best_of_k),
+    "best_of_k": (
+        "Best-of-k reward curve (every point of a curve averages the same prompts)",
+        lambda s: bool(s.best_of_k.prompts),
+        _plot_best_of_k,
+    ),
     "rewards": ("Reward histogram", lambda s: bool(s.best_scores or s.sample_scores), _plot_rewards),
     "sr_rounds": ("Speculative Rejection rounds", lambda s: s.sr is not None, _plot_rounds),
-    "seconds": ("Time split", lambda s: bool(s.seconds), _plot_seconds),
+    "seconds": (
+        "Time split: each record's wall is the sum of its parts, compile included (older outputs left a "
+        "wait for compiles out of the wall: it is shown beside it)",
+        lambda s: bool(s.seconds.parts or s.seconds.wall),
+        _plot_seconds,
+    ),
 }
 """Each plot: its caption, whether the summary has its data, and how it is drawn."""
 
@@ -393,20 +568,37 @@ def render(draw: Callable[[Axes, Summary], None], summary: Summary) -> bytes:
     return png.getvalue()
 
 
+# -- the pages -----------------------------------------------------------------------------------------
+
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 960px; color: #222; }
-h1 { font-size: 1.4em; } h1 code { font-size: 0.8em; color: #555; }
+h1 { font-size: 1.4em; } h1 code { font-size: 0.8em; color: #555; } h2 { font-size: 1.15em; }
 table { border-collapse: collapse; margin-bottom: 1.5em; }
 th, td { text-align: left; padding: 0.25em 0.9em; border-bottom: 1px solid #ddd; vertical-align: top; }
 th { background: #f3f3f3; white-space: nowrap; }
 figure { display: inline-block; width: 47%; margin: 0 1.5% 1.5em 0; vertical-align: top; }
 img { width: 100%; border: 1px solid #ddd; }
 figcaption { font-size: 0.9em; color: #444; }
+details { border-bottom: 1px solid #ddd; padding: 0.35em 0; }
+summary { cursor: pointer; }
+dt { font-weight: 600; font-size: 0.9em; margin-top: 0.5em; }
+dd { margin: 0; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; background: #f7f7f7; padding: 0.5em; margin: 0.2em 0; }
+nav { margin: 1em 0; line-height: 1.8; } nav a { margin-right: 0.5em; }
 """
 
 
+def _document(title: str, body: str) -> str:
+    """A self-contained HTML page: nothing is fetched or run."""
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{CSS}</style></head>\n<body>{body}</body></html>\n"
+    )
+
+
 def page(summary: Summary, plots: dict[str, bytes]) -> str:
-    """The report as one HTML page: the summary table and the plots inlined as data URIs."""
+    """The report as one HTML page: the summary table, the plots inlined as data URIs, and the first
+    prompts' responses (with links to the pages of them all, where those are written)."""
     cells = "\n".join(
         f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in summary.rows()
     )
@@ -416,12 +608,139 @@ def page(summary: Summary, plots: dict[str, bytes]) -> str:
         f"<figcaption>{html.escape(PLOTS[name][0])}</figcaption></figure>"
         for name, png in plots.items()
     )
-    title = f"jaxsr report: {summary.output.name}"
-    return (
-        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-        f"<style>{CSS}</style></head>\n<body><h1>jaxsr report <code>{html.escape(str(summary.output))}</code>"
-        f"</h1>\n<table>\n{cells}\n</table>\n{figures}\n</body></html>\n"
+    shown = len(summary.shown)
+    which = "every prompt" if shown == summary.prompts else f"the first {shown} of {summary.prompts} prompts"
+    pages = page_count(summary)
+    every = (
+        f"<nav>All {summary.prompts} prompts, {PAGE} a page: "
+        + " ".join(f'<a href="{_page_name(n, "responses/")}">{n}</a>' for n in range(1, pages + 1))
+        + "</nav>"
+        if pages
+        else ""
     )
+    body = (
+        f"<h1>jaxsr report <code>{html.escape(str(summary.output))}</code></h1>\n<table>\n{cells}\n"
+        f"</table>\n{figures}\n<h2>Responses</h2>\n<p>{html.escape(_responses_intro(which))}</p>\n"
+        + "\n".join(_details(entry) for entry in summary.shown)
+        + f"\n{every}\n"
+    )
+    return _document(f"jaxsr report: {summary.output.name}", body)
+
+
+def _responses_intro(which: str) -> str:
+    return (
+        f"Responses of {which}, in the output's order (the order they finished): the prompt, the chosen "
+        "response and the lowest-scored sample, each with its score and whether it ended on its own or "
+        "was cut at max_new_tokens."
+    )
+
+
+def _details(entry: Entry) -> str:
+    """One prompt as a <details> element: a line naming it and its responses' scores, opening onto the
+    prompt and the responses (every text escaped)."""
+    items = "".join(
+        f"<dt>{html.escape(_about(role, sample))}</dt><dd><pre>{html.escape(sample['text'])}</pre></dd>"
+        for role, sample in entry.responses
+    )
+    line = "; ".join(_about(role, sample) for role, sample in entry.responses) or "no response"
+    opening = _shortened(_last_turn(entry.prompt))
+    return (
+        f"<details><summary>{html.escape(f'prompt {entry.index}: {opening} — {line}')}</summary>"
+        f"<dl><dt>prompt</dt><dd><pre>{html.escape(_prompt_text(entry.prompt))}</pre></dd>{items}</dl></details>"
+    )
+
+
+def _about(role: str, sample: dict[str, Any]) -> str:
+    """`chosen: score 0.7071, ended on its own`."""
+    score = "unscored" if finite(sample["score"]) is None else f"score {sample['score']:.4f}"
+    finished = sample["finished"] if isinstance(sample["finished"], bool) else None
+    return f"{role}: {score}, {FINISHED[finished]}"
+
+
+def _is_conversation(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt)
+    )
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A prompt as the page shows it: a text as it is, a conversation a turn at a time, else JSON."""
+    if isinstance(prompt, str):
+        return prompt
+    if _is_conversation(prompt):
+        return "\n\n".join(f"[{m.get('role', '?')}]\n{m['content']}" for m in prompt)
+    return json.dumps(prompt, ensure_ascii=False, indent=1)
+
+
+def _last_turn(prompt: Any) -> str:
+    """What a prompt's summary line opens with: a conversation's last turn, else the prompt's text."""
+    return prompt[-1]["content"] if _is_conversation(prompt) else _prompt_text(prompt)
+
+
+def _shortened(text: str, width: int = 80) -> str:
+    """`text` on one line, cut to `width` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def page_count(summary: Summary) -> int:
+    """How many pages of every prompt's responses the report has: none when its page shows them all."""
+    return 0 if summary.prompts <= len(summary.shown) else math.ceil(summary.prompts / PAGE)
+
+
+def _page_name(number: int, folder: str = "") -> str:
+    return f"{folder}{number:04d}.html"
+
+
+def _responses_page(summary: Summary, number: int, entries: list[Entry]) -> str:
+    """Page `number` of every prompt's responses: its entries between links to the report and to the
+    pages before and after it."""
+    pages, first = page_count(summary), (number - 1) * PAGE + 1
+    links = ['<a href="../report.html">report</a>', f"page {number} of {pages}"]
+    if number > 1:
+        links.append(f'<a href="{_page_name(number - 1)}">previous</a>')
+    if number < pages:
+        links.append(f'<a href="{_page_name(number + 1)}">next</a>')
+    nav = f"<nav>{' · '.join(links)}</nav>"
+    which = f"prompts {first}–{first + len(entries) - 1} of {summary.prompts}"
+    body = (
+        f"<h1>jaxsr report <code>{html.escape(str(summary.output))}</code></h1>\n{nav}\n"
+        f"<p>{html.escape(_responses_intro(which))}</p>\n"
+        + "\n".join(_details(entry) for entry in entries)
+        + f"\n{nav}\n"
+    )
+    return _document(f"jaxsr report: {summary.output.name}, responses page {number}", body)
+
+
+def _batched(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """`items` in lists of `size` (the last may be shorter)."""
+    batch: list[T] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _write_pages(summary: Summary, folder: Path) -> None:
+    """Every prompt's responses, `PAGE` to a page (`responses/0001.html`, …), read again from the output
+    up to the summary's `end`, where the report page does not show them all; removes the pages of an
+    earlier report there that this one has not."""
+    pages = folder / "responses"
+    written = set()
+    if page_count(summary):
+        pages.mkdir(exist_ok=True)
+        entries = (entry_of(record) for record in _records(summary.output, summary.end))
+        for number, batch in enumerate(_batched(entries, PAGE), 1):
+            written.add(_page_name(number))
+            write_durably(pages / _page_name(number), [_responses_page(summary, number, batch).encode()])
+    for stale in pages.glob("[0-9]*.html") if pages.is_dir() else []:
+        if stale.name not in written:
+            stale.unlink()
 
 
 def report_directory(output: Path) -> Path:
@@ -430,16 +749,19 @@ def report_directory(output: Path) -> Path:
 
 
 def write_report(output: str | Path, directory: str | Path | None = None) -> Path:
-    """Summarize a job's output and write its plots (`<name>.png`) and `report.html` (the table and the
-    plots in one self-contained page) into `directory` (default: `report_directory(output)`); returns
-    the page's path. Each file is written to a temporary name and renamed: none is left half-written."""
+    """Summarize a job's output and write its plots (`<name>.png`), `report.html` (the table, the plots
+    and the first prompts' responses in one self-contained page) and, for a longer output, the pages of
+    every prompt's responses (`responses/`) into `directory` (default: `report_directory(output)`);
+    returns the page's path. Each file is written to a temporary name and renamed: none is left
+    half-written."""
     summary = summarize(output)
     folder = Path(directory) if directory is not None else report_directory(summary.output)
-    plots = {name: render(draw, summary) for name, (_, has, draw) in PLOTS.items() if has(summary)}
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        plots = {name: render(draw, summary) for name, (_, has, draw) in PLOTS.items() if has(summary)}
         for name, png in plots.items():
             write_durably(folder / f"{name}.png", [png])
+        _write_pages(summary, folder)
         write_durably(folder / "report.html", [page(summary, plots).encode()])
     except OSError as e:
         raise ValueError(f"{folder}: cannot write the report there ({e.strerror or e})") from None

@@ -492,7 +492,8 @@ def _solve_into(output: JsonlOutput, pending: list[int], work: Work, report: Pro
     index, and so its random streams and its record's place). Each record is written as soon as its
     prompt is done and carries its `index`. The calls' programs
     are compiled ahead of them (`jobs.ahead`) where the method says which they are; the seconds a call
-    waits for them count in its records' `compile_s`."""
+    waits for them count in its records' `compile_s` and, as every part of a record's time, in its
+    `wall_s`."""
     lengths, length_class = work.lengths, work.length_class
     pending = sorted(pending, key=lambda i: (length_class(lengths[i]), lengths[i]))
     calls = [
@@ -504,8 +505,10 @@ def _solve_into(output: JsonlOutput, pending: list[int], work: Work, report: Pro
 
     def write(index: int, result: dict[str, Any]) -> None:
         start = time.perf_counter()
-        if waited and "compile_s" in result.get("stats", {}):  # this call's share of the wait
-            result["stats"]["compile_s"] += waited
+        stats = result.get("stats", {})
+        if waited and "compile_s" in stats:  # this call's share of the wait: compiling, within the wall
+            stats["compile_s"] += waited
+            stats["wall_s"] += waited
         record = work.shape(index, result)
         output.write(index, record)
         report.wrote(index, record, time.perf_counter() - start)
