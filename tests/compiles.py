@@ -25,3 +25,8 @@ def compilations() -> Iterator[list[str]]:
             yield names
     finally:
         logger.removeHandler(handler)
+
+
+XLA_CPU_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+"""The options a user's XLA:CPU compiles with, for tests that read what it makes of a program (conftest
+turns both down for the suite's speed): `lowered.compile(XLA_CPU_DEFAULTS)`."""

@@ -23,9 +23,10 @@ PRINTS = {  # what each notebook must print when it ran through
     "speculative_contrastive_decoding": ["greedy SCD == greedy CD", "measured", "over CD"],
     "sft_on_speculative_rejection_data": ["prompts searched", "fine-tuned in", "Best-of-8 reward after"],
 }
-# Notebooks whose shipped size is a long run (the README's worked example: 38 min on 2 cores) run with
-# their config cell shrunk as a user trying them would; {workdir} is the test's scratch directory.
+# Notebooks whose shipped size is a long run (the SFT example) or a sweep of compiles run with their
+# config cell shrunk as a user trying them would; {workdir} is the test's scratch directory.
 SHRUNK_CONFIG = {
+    "speculative_contrastive_decoding": "PROMPTS, MAX_NEW_TOKENS, GAMMAS = 1, 16, [1, 2]",
     "sft_on_speculative_rejection_data": (
         "TRAIN_PROMPTS, EVAL_PROMPTS, MAX_NEW_TOKENS, STEPS, BATCH_SIZE = 3, 2, 16, 2, 4\n"
         'WORKDIR = "{workdir}"'

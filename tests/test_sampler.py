@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
-from compiles import compilations
+from compiles import XLA_CPU_DEFAULTS, compilations
 from flax import nnx
 from tiny import tiny_config, tiny_model
 from transformers.generation.logits_process import (
@@ -162,7 +162,7 @@ def test_the_compiled_decode_loop_updates_the_row_cache_in_place(lm):
     )  # fmt: skip
     state = loop.init_state((logits,), (prompt,), controls, new, method=method, capacity=capacity)
     hlo = loop.decode_loop.lower((lm.graph,), (lm.params,), state, (prompt,), controls, method=method)
-    hlo = hlo.compile().as_text()
+    hlo = hlo.compile(XLA_CPU_DEFAULTS).as_text()
     K, D = lm.config.num_kv_heads, lm.config.head_dim
     shapes = {f"f32[{B},{K},{D},{capacity}]", f"f32[{B},{K},{capacity},{D}]"}
     scatters = [line for line in hlo.splitlines() if "scatter(" in line and any(s in line for s in shapes)]
