@@ -115,3 +115,26 @@ def test_shares_of_a_job_hold_every_prompt_once_and_nearly_the_same_weight(proce
     loads = [sum(weights[i] for i in share) for share in shares]
     assert max(loads) - min(loads) <= max(weights)
     assert shares == [share_of(pending, weights, p, processes) for p in range(processes)]  # every host agrees
+
+
+def test_a_job_that_keeps_no_token_ids_stores_their_count_and_its_summaries_count_them():
+    """`keep_token_ids: false` drops the ids and keeps their count (`num_tokens`), which the run's summary
+    and the report count as they count ids (the summary once read the ids of every sample and failed)."""
+    from jaxsr.jobs.progress import Totals
+    from jaxsr.jobs.records import output_record
+    from jaxsr.jobs.report import Summary
+    from jaxsr.results import Result, Sample
+
+    samples = [Sample(token_ids=[5] * n, text="x" * n, score=float(n), finished=True) for n in (3, 4)]
+    result = {**Result(prompt="p", samples=samples, best=samples[1]).to_dict(), "index": 0}
+    kept, dropped = (
+        output_record(result, {}, {}, JobConfig(output="o.jsonl", keep_token_ids=keep))
+        for keep in (True, False)
+    )
+    assert [s.get("num_tokens") for s in dropped["samples"]] == [3, 4] and dropped["best"]["num_tokens"] == 4
+    assert not any("token_ids" in s for s in [*dropped["samples"], dropped["best"]])
+    for record in (kept, dropped):
+        totals, summary = Totals(), Summary(Path("o.jsonl"), {})
+        totals.add(record)
+        summary.add(record)
+        assert totals.new_tokens == summary.tokens == 7 and summary.token_samples == 2

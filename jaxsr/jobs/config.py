@@ -176,7 +176,7 @@ class JobConfig:
     layers: int = 4
     """tree_best_of_n: layers the response is grown in (max_new_tokens / layers tokens each)."""
     keep_token_ids: bool = True
-    """Store each sample's token ids (False: text only, a smaller output)."""
+    """Store each sample's token ids (False: the text and their count, `num_tokens`: a smaller output)."""
     keep_samples: bool = True
     """Store every sample (False: only the best, in `best`)."""
     seed: int = 0

@@ -13,6 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from jaxsr.jobs.records import response_tokens
 from jaxsr.timing import compiling
 
 STAGES = {"compile_s": "compile", "prefill_s": "prefill", "decode_s": "decode", "scoring_s": "reward"}
@@ -32,7 +33,7 @@ class Totals:
 
     def add(self, record: dict[str, Any]) -> None:
         self.records += 1
-        self.new_tokens += sum(len(s["token_ids"]) for s in record["samples"])
+        self.new_tokens += sum(response_tokens(s) or 0 for s in record["samples"])
         best = record.get("best")
         if best is not None and best.get("score") is not None:
             self.best_scores.append(best["score"])

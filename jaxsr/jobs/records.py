@@ -55,7 +55,21 @@ def output_record(
 
 
 def _without_ids(sample: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in sample.items() if key != "token_ids"}
+    """The sample with its token ids replaced by their count (`num_tokens`): the text stays, and so does
+    what the summary and the report count."""
+    return {
+        **{key: value for key, value in sample.items() if key != "token_ids"},
+        "num_tokens": len(sample["token_ids"]),
+    }
+
+
+def response_tokens(sample: dict[str, Any]) -> int | None:
+    """A stored sample's length in tokens: its token ids', or its `num_tokens` where the job kept no ids
+    (`keep_token_ids: false`); None where it holds neither."""
+    ids, count = sample.get("token_ids"), sample.get("num_tokens")
+    if isinstance(ids, list):
+        return len(ids)
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 EXPECTED = (

@@ -39,7 +39,7 @@ from matplotlib.ticker import MaxNLocator
 
 from jaxsr.checks import finite
 from jaxsr.jobs.demo import plural, table
-from jaxsr.jobs.records import EXPECTED, read_output
+from jaxsr.jobs.records import EXPECTED, read_output, response_tokens
 from jaxsr.jobs.runner import complete_end, job_file, write_durably
 
 JOB_KEYS = ("method", "model", "draft", "decoder", "reward", "n", "data", "max_new_tokens")
@@ -289,7 +289,7 @@ class Summary:
     best_finished: Share = dataclasses.field(default_factory=Share)
     sample_finished: Share = dataclasses.field(default_factory=Share)
     tokens: int = 0
-    """Response tokens, over the samples that list their `token_ids` (`token_samples`)."""
+    """Response tokens, over the samples that list their `token_ids` or `num_tokens` (`token_samples`)."""
     token_samples: int = 0
     best_of_k: BestOfK = dataclasses.field(default_factory=BestOfK)
     seconds: Seconds = dataclasses.field(default_factory=Seconds)
@@ -325,8 +325,9 @@ class Summary:
         self.samples += 1
         if isinstance(sample.get("finished"), bool):
             self.sample_finished.add(sample["finished"])
-        if isinstance(sample.get("token_ids"), list):
-            self.tokens += len(sample["token_ids"])
+        tokens = response_tokens(sample)
+        if tokens is not None:
+            self.tokens += tokens
             self.token_samples += 1
 
     def _add_stats(self, record: dict[str, Any]) -> None:
