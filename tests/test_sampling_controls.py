@@ -23,6 +23,7 @@ from tiny import tiny_model
 import jaxsr
 from jaxsr.cli import main
 from jaxsr.decoding import loop
+from jaxsr.decoding.inputs import check_forbidden
 from jaxsr.decoding.sampling import SamplingConfig, per_row
 from jaxsr.decoding.speculative import SpeculativeDecoding
 from jaxsr.decoding.steps import Controls, PlainSampling
@@ -123,6 +124,17 @@ def test_forbidden_ids_are_never_drawn(lm):
     assert not drawn & {4, 7, 9} and len(drawn) > 10
 
 
+def test_forbidding_every_token_is_refused_before_anything_compiles(lm):
+    """With every id forbidden a step has nothing to draw (it once drew id 0, itself forbidden)."""
+    vocab = lm.config.vocab_size
+    everything = SamplingConfig(forbidden_token_ids=range(vocab))
+    with pytest.raises(
+        ValueError, match=f"forbidden_token_ids: forbids every token the model can draw \\({vocab}\\)"
+    ):
+        jaxsr.generate(lm, [[1, 2]], max_new_tokens=2, sampling=everything)
+    check_forbidden(lm, tuple(range(1, vocab)))  # one id left to draw
+
+
 SWEEPS = {
     "temperature": [SamplingConfig(temperature=t, top_k=20) for t in (0.5, 0.7, 0.9, 1.2, 1.6)],
     "top_p": [SamplingConfig(top_p=p, top_k=0) for p in (0.5, 0.6, 0.7, 0.8, 0.95)],
@@ -171,6 +183,8 @@ def test_generate_refuses_what_is_not_a_model_or_a_sampler():
         (dict(min_p=1.5), "min_p: expected a value in"),
         (dict(repetition_penalty=0.0), "repetition_penalty: expected a value > 0"),
         (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+        (dict(frequency_penalty=1e39), "frequency_penalty: expected a value within float32's range"),
+        (dict(presence_penalty=-4e38), "presence_penalty: expected a value within float32's range"),
         (dict(forbidden_token_ids=(-1,)), "forbidden_token_ids: token ids are >= 0"),
         (dict(forbidden_token_ids="12"), "forbidden_token_ids: expected a sequence"),
         (dict(forbidden_token_ids=6), "forbidden_token_ids: expected a sequence"),

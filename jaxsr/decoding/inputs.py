@@ -77,7 +77,7 @@ def prepare(models: Sequence[Model], prompts: Any, options: Options) -> Request:
     for model in models:
         check_context(model, encoded, max_new_tokens)
     stop_ids = check_stop_ids(target, options.stop_token_ids)
-    check_token_ids("forbidden_token_ids", target, sampling.forbidden_token_ids)
+    check_forbidden(target, sampling.forbidden_token_ids)
     ids = check_prompt_ids(options.prompt_offset, len(encoded))
     stop = check_stops(options.stop)
     strings = stop_strings(target.tokenizer, target.config.vocab_size, stop)
@@ -224,6 +224,18 @@ def check_token_ids(name: str, model: Model, ids: Sequence[Any]) -> None:
     for i in ids:
         if not is_int(i) or not 0 <= i < vocab:
             raise ValueError(f"{name}: expected token ids in [0, {vocab}), got {i!r}")
+
+
+def check_forbidden(model: Model, forbidden: Sequence[int]) -> None:
+    """Forbidden ids are `model`'s token ids and leave it a token to draw (with none left, a step would
+    draw a forbidden one)."""
+    check_token_ids("forbidden_token_ids", model, forbidden)
+    drawable = model.config.head_token_ids or range(model.config.vocab_size)
+    if len(forbidden) >= len(drawable) and set(drawable) <= set(forbidden):
+        raise ValueError(
+            f"forbidden_token_ids: forbids every token the model can draw ({len(drawable)}); "
+            "leave one at least"
+        )
 
 
 def check_prompt_ids(prompt_offset: Any, count: int) -> tuple[int, ...]:

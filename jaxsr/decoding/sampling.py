@@ -50,7 +50,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         # NumPy scalars become their Python twins: equal configs then hash alike
         for name in VALUES:
-            object.__setattr__(self, name, check_number(name, getattr(self, name)))
+            object.__setattr__(self, name, _float32(name, getattr(self, name)))
         object.__setattr__(self, "top_k", check_int("top_k", self.top_k))
         if not isinstance(self.penalize_prompt, bool):
             raise TypeError(f"penalize_prompt: expected a bool, got {type(self.penalize_prompt).__name__}")
@@ -96,6 +96,17 @@ class SamplingConfig:
         return Sampling(form=form, **values)
 
 
+def _float32(name: str, value: object) -> float:
+    """A finite number that stays finite in float32, the precision steps apply it in (a penalty of 1e39
+    is inf there, and inf × a count of 0 turns every score into NaN)."""
+    number = check_number(name, value)
+    if abs(number) > FLOAT32_MAX:
+        raise ValueError(
+            f"{name}: expected a value within float32's range (±{FLOAT32_MAX:.4g}), got {number:g}"
+        )
+    return number
+
+
 def _token_ids(name: str, ids: object) -> tuple[int, ...]:
     """Token ids as a sorted tuple of ints >= 0 (static: part of the program)."""
     if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):
@@ -106,6 +117,7 @@ def _token_ids(name: str, ids: object) -> tuple[int, ...]:
     return out
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 """The `SamplingConfig` fields a program takes as traced values."""
 
