@@ -10,6 +10,8 @@ import pytest
 
 from jaxsr.data import find_dataset
 from jaxsr.jobs.config import JobConfig, load_job_config
+from jaxsr.jobs.export import export
+from jaxsr.jobs.report import summarize, write_report
 from jaxsr.training import load_sft_config
 
 UNKNOWN_USER = "~no-such-user-jaxsr"
@@ -30,6 +32,13 @@ def test_paths_expand_home_and_refuse_unknown_users_by_name(tmp_path, monkeypatc
         with pytest.raises(ValueError, match=f"^{name}: cannot expand '{UNKNOWN_USER}'"):
             make()
     monkeypatch.setenv("JAXSR_DATA_DIR", f"{UNKNOWN_USER}/sets")
+    for call, name in [
+        (lambda: summarize(f"{UNKNOWN_USER}/out.jsonl"), "output"),
+        (lambda: write_report("out.jsonl", f"{UNKNOWN_USER}/report"), "directory"),
+        (lambda: export(f"{UNKNOWN_USER}/out.jsonl", sft="sft.jsonl"), "output"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{name}: cannot expand '{UNKNOWN_USER}'"):
+            call()
     with pytest.raises(ValueError, match=r"^JAXSR_DATA_DIR: cannot expand"):
         find_dataset("some_set")
 

@@ -108,7 +108,7 @@ def test_targets_are_named_as_google_cloud_names_slices():
     for name, chips, hosts, host in slices:
         slice_ = target(name)
         assert (slice_.chips, slice_.hosts, slice_.topology, slice_.host.hosts) == (chips, hosts, host, 1)
-    for bad in ("v5e", "v5e-3", "v5p-3", "h100-8", "v5e-x"):
+    for bad in ("v5e", "v5e-3", "v5p-3", "h100-8", "v5e-x", "v5e-²", "h100x²"):  # ² passes str.isdigit
         with pytest.raises(ValueError, match="target"):
             target(bad)
 

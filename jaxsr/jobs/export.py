@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxsr.checks import check_bool, check_number, check_seed, finite
+from jaxsr.checks import check_bool, check_number, check_seed, finite, user_path
 from jaxsr.jobs.records import OWN_FIELDS, read_output
 from jaxsr.jobs.runner import complete_end, write_durably
 from jaxsr.text import as_messages, check_conversation
@@ -153,7 +153,7 @@ def export(
 
 # -- arguments -------------------------------------------------------------------------------------
 def _check_source(output: str | Path) -> Source:
-    path = Path(output)
+    path = user_path("output", output)
     if not path.is_file():
         raise ValueError(f"output: {path} is not a file (expected a job's JSONL output)")
     return Source(path.resolve(), complete_end(path))
@@ -161,7 +161,7 @@ def _check_source(output: str | Path) -> Source:
 
 def _check_target(name: str, path: str | Path, source: Source) -> Path:
     """An export path: a .jsonl file in an existing directory, not the job output itself."""
-    target = Path(path)
+    target = user_path(name, path)
     if target.suffix != ".jsonl":
         raise ValueError(f"{name}: expected a path ending in .jsonl, got {target}")
     if not target.parent.is_dir():

@@ -37,7 +37,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.ticker import MaxNLocator
 
-from jaxsr.checks import finite
+from jaxsr.checks import finite, user_path
 from jaxsr.jobs.demo import plural, table
 from jaxsr.jobs.records import EXPECTED, read_output, response_tokens
 from jaxsr.jobs.runner import complete_end, job_file, write_durably
@@ -371,7 +371,7 @@ def summarize(output: str | Path) -> Summary:
     """Read a job's output (and its job file, when there) into a `Summary`, one line at a time.
     Raises ValueError naming the file (and line) when it is missing, empty or not a jaxsr output, or
     when its job file is no regular file of at most `JOB_FILE_BYTES`."""
-    path = Path(output)
+    path = user_path("output", output)
     if not path.exists():
         raise ValueError(f"{path}: no such file (expected a jaxsr job output, a .jsonl file)")
     if not path.is_file():
@@ -755,8 +755,9 @@ def write_report(output: str | Path, directory: str | Path | None = None) -> Pat
     every prompt's responses (`responses/`) into `directory` (default: `report_directory(output)`);
     returns the page's path. Each file is written to a temporary name and renamed: none is left
     half-written."""
+    chosen = None if directory is None else user_path("directory", directory)
     summary = summarize(output)
-    folder = Path(directory) if directory is not None else report_directory(summary.output)
+    folder = chosen or report_directory(summary.output)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         plots = {name: render(draw, summary) for name, (_, has, draw) in PLOTS.items() if has(summary)}

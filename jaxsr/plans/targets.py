@@ -124,22 +124,28 @@ def target_names() -> str:
     return f"TPU slices {tpus}; GPUs {gpu_names} (N = {counts}, or a multiple of 8: hosts of 8)"
 
 
+def _count(text: str) -> int | None:
+    """The count a target name ends in: ASCII digits only (`str.isdigit` takes "²", which int() refuses)."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
 def target(name: str) -> Target:
     """The slice a Cloud TPU name (`v5e-8`, `v6e-16`, `v5p-8`, `v4-8`) stands for, or the GPUs a GPU
     name (`h100x8`, `h200x4`, `a100-80x8`; `h100x16`: two hosts of 8) does."""
     kind, x, count = str(name).rpartition("x")
     if x and kind in gpus.GPUS:
-        if not count.isdigit() or not (int(count) in GPU_COUNTS or int(count) % 8 == 0 < int(count)):
+        gpus_ = _count(count)
+        if gpus_ is None or not (gpus_ in GPU_COUNTS or gpus_ % 8 == 0 < gpus_):
             raise ValueError(
                 f"target: {name} is no {kind} host this plan describes; GPUs: {GPU_COUNTS} on one host, "
                 "or a multiple of 8 on hosts of 8"
             )
-        return Target(str(name), CHIPS[kind], int(count))
+        return Target(str(name), CHIPS[kind], gpus_)
     kind, _, count = str(name).partition("-")
-    chip = CHIPS.get(kind)
-    if kind not in TOPOLOGIES or not count.isdigit() or int(count) % chip.cores_per_chip:
+    chip, cores = CHIPS.get(kind), _count(count)
+    if kind not in TOPOLOGIES or cores is None or cores % chip.cores_per_chip:
         raise ValueError(f"target: expected a name like v5e-8 or h100x8 ({target_names()}), got {name!r}")
-    chips = int(count) // chip.cores_per_chip
+    chips = cores // chip.cores_per_chip
     if chips not in TOPOLOGIES[kind]:
         sizes = [n * chip.cores_per_chip for n in TOPOLOGIES[kind]]
         raise ValueError(f"target: {name} is no {kind} slice this plan describes; sizes: {sizes}")
