@@ -243,6 +243,8 @@ def test_keys_the_method_does_not_use_are_refused():
         (["method=speculative_rejection"], "reward: speculative_rejection needs a reward"),
         (["method=speculative_decode"], "draft: speculative_decode needs a second model"),
         (["method=best_of_n", "n=2", "reward=minilm", "decoder=contrastive"], "draft: decoder=contrastive"),
+        (["method=best_of_n", "n=2", "reward=self-certainty"], "did you mean self_certainty?"),
+        (["method=best_of_n", "n=2", "reward=MiniLM"], "reward: 'MiniLM' is no built-in reward"),
     ],
 )
 def test_a_job_missing_what_its_method_needs_is_refused_before_any_model_loads(

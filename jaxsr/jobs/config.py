@@ -6,6 +6,7 @@ The reading, type checks and fingerprint are `jaxsr.configs`'s (shared with the 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,24 @@ GROWING_KEYS = ("limit",)
 """Keys a job may change between runs and stay the same job: how many of the data's prompts it answers
 (records are keyed by prompt index, so a larger limit adds records, a smaller one is already done)."""
 RULES = ("keep_fraction", "quantile")
+
+
+BUILT_IN_REWARDS = ("self_likelihood", "neg_perplexity", "self_certainty", "minilm")
+"""The rewards a job names without a model path (`loading.resolve.resolve_reward`): no reward model of
+their own to plan (minilm's encoder is small; the others read the generator's sampling logits)."""
+
+
+def _check_reward_name(reward: str | None) -> None:
+    """A reward spelled like a built-in one but not exactly (`self-certainty`) is refused from the config
+    alone, naming the built-in: it would be looked up as a hub id after the generator loads."""
+    if reward is None or reward in BUILT_IN_REWARDS or Path(reward).expanduser().exists():
+        return
+    near = difflib.get_close_matches(reward.lower().replace("-", "_"), BUILT_IN_REWARDS, n=1, cutoff=0.8)
+    if near:
+        raise ValueError(
+            f"reward: {reward!r} is no built-in reward; did you mean {near[0]}? (a reward model is named "
+            "by its path or hub id)"
+        )
 
 
 @dataclasses.dataclass
@@ -256,6 +275,7 @@ class JobConfig:
             raise ValueError(f"draft: {needs} needs a second model (the draft or amateur)")
         if self.method in SEARCH_METHODS and self.reward is None:
             raise ValueError(f"reward: {self.method} needs a reward (self_likelihood, minilm, or a path)")
+        _check_reward_name(self.reward)
         if self.method in ("best_of_n", "tree_best_of_n") and self.n is None:
             raise ValueError(f"n: {self.method} needs n (the samples per prompt)")
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jaxsr.checks import is_int
 from jaxsr.decoding.driver import Sampler, as_sampler, batches
 from jaxsr.decoding.memory import DEVICE_HEADROOM, budget_rows_in, parse_bytes
-from jaxsr.jobs.config import DECODER_OPTIONS, PAIR_METHODS, JobConfig
+from jaxsr.jobs.config import BUILT_IN_REWARDS, DECODER_OPTIONS, PAIR_METHODS, JobConfig
 from jaxsr.jobs.methods import DECODER_BUILDERS
 from jaxsr.ladder import bucket, fine_bucket
 from jaxsr.models.model import Model, RewardModel
@@ -24,9 +24,6 @@ from jaxsr.plans.targets import GIB, Target, target_mesh
 from jaxsr.search.memory import MemoryPlan, device_share, row_layout
 from jaxsr.sharding import padded_rows
 
-BUILT_IN_REWARDS = ("self_likelihood", "neg_perplexity", "self_certainty", "minilm")
-"""Rewards without a reward model of their own to plan (minilm's encoder is small and not planned;
-the others read the generator's sampling logits)."""
 REWARD_ACCELERATED_BATCH = 32
 """`ClassifierReward`'s responses per scoring call on an accelerator (`reward_batch`)."""
 
