@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from jaxsr.checks import check_number, is_int, is_real
+from jaxsr.checks import check_number, check_unicode, is_int, is_real
 from jaxsr.loading.files import MissingFileError, read_small
 
 C = TypeVar("C")
@@ -45,6 +45,9 @@ def check_field_types(config: Any) -> None:
         if not any(_is_instance(value, t) for t in allowed):
             names = " or ".join(_type_name(t) for t in allowed)
             raise ValueError(f"{field.name}: expected {names}, got {value!r}")
+        for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+            if isinstance(text, str):  # written to the job file and every record's provenance as UTF-8
+                check_unicode(field.name, text)
     if not 0 <= config.seed < 2**32:
         raise ValueError(f"seed: expected an int in [0, 2**32), got {config.seed}")
 

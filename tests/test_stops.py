@@ -13,7 +13,7 @@ import pytest
 from hf_fixtures import byte_tokenizer
 
 import jaxsr
-from jaxsr.decoding.stops import StopStrings, advance, cut, initial_tail, stop_strings
+from jaxsr.decoding.stops import StopStrings, advance, check_stops, cut, initial_tail, stop_strings
 from jaxsr.jobs.config import JobConfig, load_job_config
 from jaxsr.loading.gguf import smollm2_path
 
@@ -275,6 +275,16 @@ def test_a_jobs_stop_is_one_string_or_a_list(tmp_path, text, refused):
         return
     config = load_job_config(path)
     assert config.stop == ["\n"] and config.fingerprint() == JobConfig(stop=["\n"]).fingerprint()
+
+
+def test_a_lone_surrogate_is_refused_naming_its_key():
+    """A lone surrogate has no UTF-8 bytes: no stop string can match it, and no job file or record's
+    provenance can hold it (it once failed as "'utf-8' codec can't encode…", naming nothing)."""
+    with pytest.raises(ValueError, match=r"^stop: not valid Unicode text"):
+        check_stops(["ok", "\ud800"])
+    for key, value in [("stop", ["\ud800"]), ("system_prompt", "be \udfff brief")]:
+        with pytest.raises(ValueError, match=rf"^{key}: not valid Unicode text"):
+            JobConfig(**{key: value})
 
 
 def test_no_stops_and_no_tokenizer():

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxsr.checks import check_unicode
 from jaxsr.ladder import bucket
 
 SPACE_PIECE = "\u2581"
@@ -56,6 +57,7 @@ def check_stops(stops: Any) -> tuple[str, ...]:
             raise TypeError(f"stop: expected non-empty strings, got {type(s).__name__}")
         if not s:
             raise ValueError("stop: expected non-empty strings, got ''")
+        check_unicode("stop", s)  # a lone surrogate has no bytes to match
     return tuple(dict.fromkeys(stops))
 
 
