@@ -329,6 +329,7 @@ RETURNED = {
     "too-few": lambda n: [1.0] * (n - 1),
     "2-d": lambda n: [[1.0]] * n,
     "scalar": lambda n: 1.0,
+    "none": lambda n: None,  # once recursed to RecursionError (None stood for "not scored yet")
 }
 
 
@@ -343,6 +344,22 @@ def test_a_reward_that_returns_no_real_numbers_is_refused_before_decoding(lm, no
     searched responses is refused before any decoding, naming it."""
     with pytest.raises(ValueError, match=r"^reward: fixed (returned|raised KeyError).*stand-in"):
         getattr(jaxsr, search)(lm, Returns(value), [[1, 2]], n=2, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("fn", "why"),
+    [
+        (lambda prompt: 1.0, "raised TypeError"),  # wrong arity
+        (lambda prompt, response: float("nan"), "returned a non-finite score"),
+        (lambda prompt, response: "high", "raised ValueError"),
+    ],
+    ids=["arity", "nan", "string"],
+)
+def test_a_plain_function_reward_is_checked_before_decoding_too(lm, no_decoding, fn, why):
+    """A function jaxsr wraps (`FunctionReward`) is the user's code as much as a class: it scores the
+    stand-ins first (it was trusted as one of jaxsr's own, and failed after prefill and decoding)."""
+    with pytest.raises(ValueError, match=rf"^reward: function:.*{why}.*stand-in"):
+        jaxsr.best_of_n(lm, fn, [[1, 2]], n=2, max_new_tokens=2)
 
 
 def test_a_reward_without_a_callable_score_is_refused(lm):

@@ -14,6 +14,7 @@ from jaxsr.models.model import Model
 from jaxsr.results import Sample
 from jaxsr.rewards.base import Candidates, Reward, score_each
 from jaxsr.rewards.classifier import TokenScorer
+from jaxsr.rewards.function import FunctionReward
 
 Prompt = str | list[int] | text.Messages
 """A prompt as a call takes it: a text, token ids, or a conversation."""
@@ -43,7 +44,7 @@ def check_reward(
                 check(prompt_messages(model, prompt))
             except ValueError as e:
                 raise ValueError(f"{e} (prompts[{i}])") from None
-    if encoded and not type(reward).__module__.startswith("jaxsr."):
+    if encoded and _runs_user_code(reward):
         ids = encoded[0]
         stand_ins = [ids[-1:], ids[-2:]]
         texts = text.decode_batch(model.tokenizer, stand_ins)
@@ -52,6 +53,12 @@ def check_reward(
             score_samples(model, reward, prompts[0], ids, samples)
         except ValueError as e:
             raise ValueError(f"{e} (tried before decoding on two stand-in responses to prompts[0])") from None
+
+
+def _runs_user_code(reward: Reward) -> bool:
+    """Whether the reward's scores come from a user's code: a class of its own, or a function jaxsr
+    wraps (`FunctionReward`)."""
+    return isinstance(reward, FunctionReward) or not type(reward).__module__.startswith("jaxsr.")
 
 
 def token_scorer(model: Model, reward: Reward, prompt: Prompt, max_new_tokens: int) -> TokenScorer | None:
@@ -104,6 +111,11 @@ def score_samples(
     the reward's score of each."""
     if scores is None:
         return score_prompts(model, reward, [(prompt, prompt_ids, samples)])[0]
+    return _with_scores(reward, samples, scores)
+
+
+def _with_scores(reward: Reward, samples: list[Sample], scores: Any) -> list[Sample]:
+    """The samples with the reward's `scores`, once `check_scores` has read them."""
     scores = check_scores(reward, scores, len(samples))
     return [dataclasses.replace(s, score=float(x)) for s, x in zip(samples, scores, strict=True)]
 
@@ -136,7 +148,7 @@ def score_prompts(model: Model, reward: Reward, items: list[Scored]) -> list[lis
         raise ValueError(f"reward: {reward.name} raised {type(e).__name__}: {e}") from e
     if len(scores) != len(items):
         raise ValueError(f"reward: {reward.name} returned scores of {len(scores)} prompts for {len(items)}")
-    return [score_samples(model, reward, *item, scores=x) for item, x in zip(items, scores, strict=True)]
+    return [_with_scores(reward, samples, x) for (_, _, samples), x in zip(items, scores, strict=True)]
 
 
 def even_share(total: int, k: int, count: int) -> int:
