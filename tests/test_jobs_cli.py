@@ -245,6 +245,12 @@ def test_keys_the_method_does_not_use_are_refused():
         (["method=best_of_n", "n=2", "reward=minilm", "decoder=contrastive"], "draft: decoder=contrastive"),
         (["method=best_of_n", "n=2", "reward=self-certainty"], "did you mean self_certainty?"),
         (["method=best_of_n", "n=2", "reward=MiniLM"], "reward: 'MiniLM' is no built-in reward"),
+        (["method=tree_best_of_n", "n=6", "branch=4", "reward=minilm"], "branch: expected a divisor of n=6"),
+        (["stop_token_ids=[2, -3]"], "stop_token_ids: token ids are >= 0, got -3"),
+        (
+            ["chat=false", "system_prompt=Be brief."],
+            "system_prompt: a system message needs the chat template",
+        ),
     ],
 )
 def test_a_job_missing_what_its_method_needs_is_refused_before_any_model_loads(

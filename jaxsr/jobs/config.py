@@ -244,6 +244,9 @@ class JobConfig:
         if self.min_keep not in (0, 1):
             raise ValueError(f"min_keep: expected 0 (the reference's count) or 1, got {self.min_keep}")
         self.sampling()
+        negative = [i for i in self.stop_token_ids or () if i < 0]
+        if negative:
+            raise ValueError(f"stop_token_ids: token ids are >= 0, got {negative[0]}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]  # one job, resumed alike, whichever way it is written
         if "" in (self.stop or ()):
@@ -278,6 +281,14 @@ class JobConfig:
         _check_reward_name(self.reward)
         if self.method in ("best_of_n", "tree_best_of_n") and self.n is None:
             raise ValueError(f"n: {self.method} needs n (the samples per prompt)")
+        if self.method == "tree_best_of_n" and self.n % self.branch:
+            raise ValueError(
+                f"branch: expected a divisor of n={self.n} (a layer keeps n / branch rows), got {self.branch}"
+            )
+        if self.chat is False and self.system_prompt is not None:
+            raise ValueError(
+                "system_prompt: a system message needs the chat template; chat: false sends plain text"
+            )
 
     def used_keys(self) -> frozenset[str]:
         """The keys this job's method reads (a key it ignores must keep its default)."""
