@@ -37,7 +37,7 @@ from jaxsr.plans import (
     target_mesh,
 )
 from jaxsr.plans.compiled import abstract_tokens, compile_for
-from jaxsr.plans.job import dominated, first_rung, job_batch, job_budget, job_reward_model, job_sampler
+from jaxsr.plans.job import cut, dominated, first_rung, job_batch, job_budget, job_reward_model, job_sampler
 from jaxsr.plans.targets import LIBRARY_ENV, SIDE_LIBTPU, has_libtpu, naming_side_libtpu, side_libtpu
 from jaxsr.sharding import on_mesh
 
@@ -772,6 +772,21 @@ def test_plan_usage_errors_are_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "configs/speculative_rejection_gemma2_9b.yaml"])
     assert e.value.code == 2 and "--target" in capsys.readouterr().err
+
+
+def test_a_plan_of_what_cannot_run_is_refused_and_a_cut_never_adds_layers(monkeypatch):
+    """No prompt of 0 tokens and no model of 0 layers is planned, before any model is read; `--layers
+    50` plans a 2-layer model as it is (it planned 50 layers the model does not have)."""
+    monkeypatch.setattr("jaxsr.plans.job.hf_config_of", lambda *_: pytest.fail("a model was read"))
+    config = JobConfig(model="unused")
+    for planning, named in [({"prompt_tokens": 0}, "prompt_tokens"), ({"layers": -1}, "layers")]:
+        with pytest.raises(ValueError, match=f"^{named}: expected an int >= 1"):
+            plan_job(config, V5E_8, **planning)
+    assert cut(LLAMA_31_8B_2_LAYERS, 50)["num_hidden_layers"] == 2
+    assert (
+        cut(LLAMA_31_8B_2_LAYERS, 1)["num_hidden_layers"] == 1
+        and cut(LLAMA_31_8B_2_LAYERS, None) is LLAMA_31_8B_2_LAYERS
+    )
 
 
 @needs_libtpu

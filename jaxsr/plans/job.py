@@ -10,7 +10,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jaxsr.checks import is_int
+from jaxsr.checks import check_positive_int, is_int
 from jaxsr.decoding.driver import Sampler, as_sampler, batches
 from jaxsr.decoding.memory import DEVICE_HEADROOM, budget_rows_in, parse_bytes
 from jaxsr.jobs.config import BUILT_IN_REWARDS, DECODER_OPTIONS, PAIR_METHODS, JobConfig
@@ -110,6 +110,9 @@ def plan_job(
     `prompt_tokens` tokens; `layers` cuts every model to that many layers (quick, for a look);
     `all_rungs` compiles every Speculative Rejection rung's decode loop (else `dominated` ones are
     left out)."""
+    check_positive_int("prompt_tokens", prompt_tokens)
+    if layers is not None:
+        check_positive_int("layers", layers)
     mesh = target_mesh(target, config.mesh_data or 1, config.mesh_model)
     sampler = job_sampler(config, mesh, layers)
     reward = job_reward_model(config, mesh, layers)
@@ -192,8 +195,11 @@ def _turn(o: tuple[int, int], a: tuple[int, int], b: tuple[int, int]) -> int:
 
 
 def cut(hf_config: dict[str, Any], layers: int | None) -> dict[str, Any]:
-    """The config with `layers` layers (as given when None)."""
-    return hf_config if layers is None else {**hf_config, "num_hidden_layers": layers}
+    """The config cut to `layers` layers (as given when None; a model with fewer keeps its own: a cut
+    never plans layers a model does not have)."""
+    if layers is None or not is_int(hf_config.get("num_hidden_layers")):
+        return hf_config
+    return {**hf_config, "num_hidden_layers": min(layers, hf_config["num_hidden_layers"])}
 
 
 def abstract_from(
