@@ -1,10 +1,15 @@
 """What the tests of arguments refused before decoding share: a tiny model, a guard that fails the test
-at any prefill, and a custom reward that returns whatever it is told to.
+at any prefill, a custom reward that returns whatever it is told to, and a deadline for refusals that
+must not hang (a FIFO where a file was expected).
 
 A test module takes the fixtures by name (`lm, no_decoding = refusals.lm, refusals.no_decoding`); each
 module then builds its own module-scoped `lm`."""
 
 from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
 
 import pytest
 from tiny import tiny_model
@@ -38,3 +43,19 @@ class Returns:
 
     def score(self, candidates):
         return self.value(len(candidates)) if callable(self.value) else self.value
+
+
+@contextlib.contextmanager
+def within(seconds: int) -> Iterator[None]:
+    """Fail a block still running after `seconds` (one blocked on a FIFO) rather than hang the tests."""
+
+    def stop(*_) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

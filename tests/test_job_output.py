@@ -4,10 +4,12 @@ take does not grow with the output; torn lines, legacy headers and foreign outpu
 from __future__ import annotations
 
 import json
+import os
 import tracemalloc
 from pathlib import Path
 
 import pytest
+from refusals import within
 
 from jaxsr.jobs.config import JobConfig
 from jaxsr.jobs.runner import JsonlOutput, _merge_parts, job_file, part_path, share_of
@@ -138,3 +140,14 @@ def test_a_job_that_keeps_no_token_ids_stores_their_count_and_its_summaries_coun
         totals.add(record)
         summary.add(record)
         assert totals.new_tokens == summary.tokens == 7 and summary.token_samples == 2
+
+
+def test_a_resume_refuses_a_job_file_that_is_a_fifo_naming_it(tmp_path):
+    """A FIFO where the job file belongs would block reading it until a writer came: a resume refuses it
+    at once, naming it (it read the file whole)."""
+    path = tmp_path / "out.jsonl"
+    write_output(path, range(2))
+    job_file(path).unlink()
+    os.mkfifo(job_file(path))
+    with within(5), pytest.raises(ValueError, match=f"{job_file(path)}: not a regular file"):
+        JsonlOutput(path, CONFIG)

@@ -8,7 +8,6 @@ and the HTML page as headless Chromium draws it."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import dataclasses
 import html
 import itertools
@@ -17,10 +16,8 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -29,6 +26,7 @@ import numpy as np
 import pytest
 from matplotlib import image
 from matplotlib.figure import Figure
+from refusals import within
 
 from jaxsr.jobs.config import load_job_config
 from jaxsr.jobs.methods import build_solver
@@ -437,22 +435,6 @@ def test_a_running_job_s_torn_last_line_is_left_out(output):
         summarize(output)
 
 
-@contextlib.contextmanager
-def within(seconds: int) -> Iterator[None]:
-    """Fail a block still running after `seconds` (one blocked on a FIFO) rather than hang the tests."""
-
-    def stop(*_) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def test_a_job_file_that_is_a_fifo_a_device_or_huge_is_refused_naming_it(output):
     job = job_file(output)
     job.unlink()
@@ -467,7 +449,7 @@ def test_a_job_file_that_is_a_fifo_a_device_or_huge_is_refused_naming_it(output)
     job.unlink()
     with job.open("wb") as f:
         f.truncate(JOB_FILE_BYTES + 1)  # sparse
-    with within(5), pytest.raises(ValueError, match=re.escape(f"{job}: over {JOB_FILE_BYTES} bytes")):
+    with within(5), pytest.raises(ValueError, match=re.escape(f"{job}: larger than {JOB_FILE_BYTES} bytes")):
         summarize(output)
     os.truncate(job, JOB_FILE_BYTES)  # read, and no JSON: the header is the records'
     assert summarize(output).header == {"model": "not the job file's", "jaxsr": "0.1.0"}

@@ -25,8 +25,6 @@ import io
 import itertools
 import json
 import math
-import os
-import stat
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -40,7 +38,8 @@ from matplotlib.ticker import MaxNLocator
 from jaxsr.checks import finite, user_path
 from jaxsr.jobs.demo import plural, table
 from jaxsr.jobs.records import EXPECTED, read_output, response_tokens
-from jaxsr.jobs.runner import complete_end, job_file, write_durably
+from jaxsr.jobs.runner import JOB_FILE_BYTES, complete_end, job_file, write_durably
+from jaxsr.loading.files import read_small
 
 JOB_KEYS = ("method", "model", "draft", "decoder", "reward", "n", "data", "max_new_tokens")
 """Job-file config keys the report's header shows (those set)."""
@@ -59,8 +58,6 @@ SHOWN_PROMPTS = 20
 """Prompts whose responses the report page shows: the output's first."""
 PAGE = 100
 """Prompts on each page of every prompt's responses (written when the report page does not show all)."""
-JOB_FILE_BYTES = 1 << 20
-"""The most a job file is read of: its config is a few kilobytes."""
 FINISHED = {True: "ended on its own", False: "cut at max_new_tokens", None: "finish not recorded"}
 """How the page says whether a response finished (its `finished`: True, False, absent)."""
 
@@ -401,7 +398,7 @@ def _records(path: Path, end: int) -> Iterator[dict[str, Any]]:
 def _job_header(path: Path) -> dict[str, str]:
     """The job file's fingerprint and the config keys the header shows ({} without a readable one)."""
     try:
-        text = _read_job_file(path)
+        text = read_small(path, JOB_FILE_BYTES)  # a FIFO or device there is refused
     except OSError:
         return {}
     try:
@@ -420,20 +417,6 @@ def _job_header(path: Path) -> dict[str, str]:
     if config.get("seed") is not None:
         header["seed"] = _text(config["seed"])
     return header
-
-
-def _read_job_file(path: Path) -> bytes:
-    """The job file's bytes (OSError when absent or unreadable). It is opened without blocking and read
-    only when it is a regular file, at most `JOB_FILE_BYTES` of it: a FIFO there would block a plain
-    open until a writer came, and a device (/dev/zero) or a huge file would fill the memory; those are
-    refused (ValueError naming the file)."""
-    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ValueError(f"{path}: not a regular file (the job file beside a jaxsr output is one)")
-        data = f.read(JOB_FILE_BYTES + 1)
-    if len(data) > JOB_FILE_BYTES:
-        raise ValueError(f"{path}: over {JOB_FILE_BYTES} bytes (a jaxsr job file is a few kilobytes)")
-    return data
 
 
 def _numbers(values: Iterable[Any]) -> list[float]:

@@ -46,12 +46,17 @@ from jaxsr.jobs.methods import Solve, Solver
 from jaxsr.jobs.progress import Progress
 from jaxsr.jobs.records import output_record, provenance
 from jaxsr.ladder import bucket
+from jaxsr.loading.files import read_small
 from jaxsr.locks import holding
 
 
 def job_file(output: Path) -> Path:
     """The file beside an output that names its job: `out/x.jsonl` -> `out/x.job.json`."""
     return output.with_name(f"{output.stem}.job.json")
+
+
+JOB_FILE_BYTES = 1 << 20
+"""The most a job file is read of (`loading.files.read_small`): its config is a few kilobytes."""
 
 
 def write_durably(path: Path, pieces: Iterable[bytes]) -> None:
@@ -209,10 +214,15 @@ class JsonlOutput:
         self._start, self._end = 0, end - start
 
     def _named_job(self) -> dict[str, Any]:
-        """The job file beside the output ({} when absent or unreadable)."""
+        """The job file beside the output ({} when absent or unreadable; refused, naming it, when it is no
+        small regular file)."""
         try:
-            job = json.loads(self.job_path.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            text = read_small(self.job_path, JOB_FILE_BYTES)  # a FIFO or device there is refused
+        except OSError:
+            return {}
+        try:
+            job = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             return {}
         return job if isinstance(job, dict) else {}
 

@@ -24,21 +24,31 @@ class MissingFileError(FileNotFoundError, ValueError):
 
 METADATA_BYTES = 256 << 20
 """The most a metadata file (a config, an index, a job config) may hold: more is no such file."""
+READ_BLOCK = 1 << 16
+"""Bytes `read_small` reads at a time."""
 
 
-def read_small(path: Path) -> bytes:
-    """The bytes of a small regular file. A FIFO, device or socket (or a link to one) is refused before
-    it is opened, and a file past METADATA_BYTES after reading that many (a link to /dev/zero cannot
-    fill the memory); OSError as `open` raises it."""
-    limit = METADATA_BYTES
-    mode = path.stat().st_mode
-    if not stat.S_ISREG(mode):
-        raise CheckpointError(f"{path}: not a regular file (a {_kind(mode)}), expected a file of text")
-    with path.open("rb") as f:
-        content = f.read(limit + 1)
-    if len(content) > limit:
+def read_small(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of a small regular file. It is opened without blocking (a FIFO would block a plain
+    open until a writer came) and read only when it is a regular file: a FIFO, device, socket or
+    directory (or a link to one) is refused, and a file past `limit` bytes (METADATA_BYTES by default)
+    once that many are read, a block at a time (a link to /dev/zero cannot fill the memory, and a small
+    file takes no more than its size); OSError as `open` raises it."""
+    limit = METADATA_BYTES if limit is None else limit
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{path}: not a regular file (a {_kind(mode)}), expected a file of text")
+        blocks, size = [], 0
+        while size <= limit and (block := os.read(fd, min(READ_BLOCK, limit + 1 - size))):
+            blocks.append(block)
+            size += len(block)
+    finally:
+        os.close(fd)
+    if size > limit:
         raise CheckpointError(f"{path}: larger than {limit} bytes, too large for a metadata file")
-    return content
+    return b"".join(blocks)
 
 
 def _kind(mode: int) -> str:
